@@ -1,0 +1,24 @@
+"""unsloth_rollout: an in-process rollout engine for RL of LoRA (vision-)language models.
+
+It samples from the same model object the optimizer updates (Unsloth or transformers + PEFT,
+4-bit or 16-bit), with continuous batching and logprobs that match the trainer's forward.
+
+    from unsloth_rollout import load_model, RolloutEngine, GenerationRequest, SamplingParams
+
+Importing this package imports neither areal, fastapi nor unsloth.
+"""
+
+import logging as _logging
+
+from .engine import (EngineConfig, GenerationOutput, GenerationRequest, InvalidRequestError, RequestRejected,
+                     RolloutEngine, SamplingParams, StreamDelta)
+from .models import PolicyModel, load_model
+
+__version__ = "0.1.0"
+
+_logging.getLogger("unsloth_rollout").addHandler(_logging.NullHandler())
+
+__all__ = [
+    "EngineConfig", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "PolicyModel",
+    "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "load_model", "__version__",
+]

@@ -1,0 +1,149 @@
+"""EngineConfig and SamplingParams: small dataclasses validated at construction.
+
+Errors name the field, so a front end can hand them to the user as they are::
+
+    SamplingParams(temperature=-1)   # ValueError: temperature must be >= 0, got -1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class InvalidRequestError(ValueError):
+    """A request or parameter is invalid; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise InvalidRequestError(name, f"{name} {message}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    ``temperature=0`` is greedy. ``seed`` makes a request reproducible whatever else shares its
+    batch. ``logprobs`` is the number of top logprobs to return per token (the sampled token's own
+    logprob is always returned). Logprobs follow AReaL's convention:
+    ``log_softmax(raw_logits / temperature)[token]`` (temperature 1 when greedy), before top-k/p,
+    penalties and masks.
+    """
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
+               f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+               f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               f"must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
+                                                                     for t in self.stop_token_ids),
+               "stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(_is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
+               f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= 256, "n", f"must be an integer in [1, 256], got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.greedy else float(self.temperature)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidRequestError(name, f"{name} is not a sampling parameter")
+        return cls(**d)
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing.
+
+    Args:
+        kv_cache_memory_bytes: KV cache budget. ``None``: a fraction of free memory
+            (``kv_cache_memory_fraction`` of free CUDA memory, or of available RAM capped at 1 GiB on CPU).
+        block_size: tokens per KV block (paged cache).
+        max_num_seqs: most sequences decoding in one step.
+        max_model_len: longest prompt + output; default the model's max_position_embeddings (capped by the budget).
+        max_prefill_tokens: prompt tokens prefilled in one step (others wait for the next step).
+        suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
+            the trainer's forward); logprobs are unaffected.
+        prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
+    """
+
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_prefill_tokens: int = 4096
+    suppress_vision_tokens: bool = True
+    prefix_cache: bool = True
+    decode_compile: bool = False
+
+    def __post_init__(self):
+        _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
+                                                       and self.kv_cache_memory_bytes > 0),
+               "kv_cache_memory_bytes", f"must be a positive integer or None, got {self.kv_cache_memory_bytes!r}")
+        _check(0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction",
+               f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs",
+               f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+               "max_model_len", f"must be >= 2 or None, got {self.max_model_len!r}")
+        _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
+               f"must be >= 1, got {self.max_prefill_tokens}")

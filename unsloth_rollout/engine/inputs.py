@@ -1,0 +1,219 @@
+"""Turn a GenerationRequest into prompt token ids plus vision inputs.
+
+Images come as PIL images, bytes, base64 strings (or data URLs) or file paths. Token ids may be
+already expanded (AReaL's VisionRLVRWorkflow) or carry one placeholder per image (ArealOpenAI,
+hand-written prompts); the engine expands those itself, with its own processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import InvalidRequestError
+from .request import GenerationRequest
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+
+
+@dataclass
+class PreparedPrompt:
+    prompt_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_hashes: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple:
+        """Identical prompts (same tokens, same images) share one prefill."""
+        return (tuple(self.prompt_ids), self.image_hashes)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_hashes)
+
+
+def load_image(obj: Any, field: str = "images"):
+    """PIL image from a PIL image, bytes, base64 / data URL string or a file path."""
+    from PIL import Image
+
+    if isinstance(obj, Image.Image):
+        img = obj
+    else:
+        if isinstance(obj, (bytes, bytearray)):
+            data = bytes(obj)
+        elif isinstance(obj, str):
+            s = obj.strip()
+            if s.startswith("data:"):
+                _, _, s = s.partition(",")
+                data = _b64(s, field)
+            elif len(s) < 4096 and os.path.isfile(s):
+                with open(s, "rb") as f:
+                    data = f.read()
+            else:
+                data = _b64(s, field)
+        else:
+            raise InvalidRequestError(field, f"{field}: unsupported image type {type(obj).__name__}")
+        try:
+            img = Image.open(io.BytesIO(data))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise InvalidRequestError(field, f"{field}: image of {img.width}x{img.height} pixels is too large")
+            img.load()
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # PIL raises many types for corrupt data
+            raise InvalidRequestError(field, f"{field}: cannot decode image ({type(e).__name__}: {e})") from None
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return img
+
+
+def _b64(s: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(field, f"{field}: not a valid base64 image, data URL or file path") from None
+
+
+def image_hash(img) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{img.mode}{img.size}".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()
+
+
+def _split_messages(messages: list[dict], is_vlm: bool) -> tuple[list[dict], list[Any]]:
+    """Copy messages, pulling inline images out (in order) and leaving {"type": "image"} markers."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "messages must be a non-empty list")
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise InvalidRequestError(f"messages[{i}]", f"messages[{i}] must be an object with a role")
+        m = copy.copy(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts, texts = [], []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": part.get("text", "")})
+                    texts.append(part.get("text", ""))
+                elif kind in ("image", "image_url"):
+                    if not is_vlm:
+                        raise InvalidRequestError(f"messages[{i}].content[{j}]",
+                                                  "this model takes no images")
+                    src = part.get("image") if kind == "image" else part.get("image_url")
+                    if isinstance(src, dict):
+                        src = src.get("url")
+                    if src is None:
+                        raise InvalidRequestError(f"messages[{i}].content[{j}]", "image part without data")
+                    images.append(src)
+                    parts.append({"type": "image"})
+                else:
+                    raise InvalidRequestError(f"messages[{i}].content[{j}].type",
+                                              f"unsupported content part type {kind!r}")
+            m["content"] = parts if is_vlm else "".join(texts)
+        out.append(m)
+    return out, images
+
+
+class InputPreparer:
+    """Tokenize and expand requests for one policy (shared by every front end)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.processor = policy.processor
+        cfg = policy.config
+        self.image_token_id = getattr(cfg, "image_token_id", None)
+        self.video_token_id = getattr(cfg, "video_token_id", None)
+        vis = getattr(cfg, "vision_config", None)
+        self.merge_size = getattr(vis, "spatial_merge_size", 2) if vis is not None else 2
+
+    def vision_token_ids(self) -> list[int]:
+        cfg = self.policy.config
+        ids = [getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                  "vision_end_token_id")]
+        pad = self.tokenizer.convert_tokens_to_ids("<|vision_pad|>") if self.policy.is_vlm else None
+        ids.append(pad if isinstance(pad, int) and pad != self.tokenizer.unk_token_id else None)
+        return sorted({i for i in ids if isinstance(i, int)})
+
+    def render_chat(self, messages: list[dict], tools=None, chat_template_kwargs=None,
+                    add_generation_prompt: bool = True) -> tuple[str, list[Any]]:
+        msgs, images = _split_messages(messages, self.policy.is_vlm)
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs.setdefault("add_generation_prompt", add_generation_prompt)
+        if tools:
+            kwargs["tools"] = tools
+        templ = self.processor if self.processor is not None else self.tokenizer
+        try:
+            text = templ.apply_chat_template(msgs, tokenize=False, **kwargs)
+        except Exception as e:
+            raise InvalidRequestError("messages", f"messages: chat template failed: {e}") from None
+        return text, images
+
+    def prepare(self, req: GenerationRequest) -> PreparedPrompt:
+        if (req.input_ids is None) == (req.messages is None):
+            raise InvalidRequestError("input_ids", "give exactly one of input_ids or messages")
+        images = list(req.images or [])
+        if req.messages is not None:
+            text, inline = self.render_chat(req.messages, req.tools, req.chat_template_kwargs)
+            images = inline + images
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = req.input_ids
+            if hasattr(ids, "tolist"):
+                ids = ids.tolist()
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                for t in ids):
+                raise InvalidRequestError("input_ids", "input_ids must be a non-empty list of integers")
+            vocab = self.policy.text_config.vocab_size
+            bad = next((t for t in ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError("input_ids", f"input_ids holds token id {bad} outside [0, {vocab})")
+        if images and not self.policy.is_vlm:
+            raise InvalidRequestError("images", "this model takes no images")
+        if not self.policy.is_vlm:
+            return PreparedPrompt(list(ids))
+        return self._with_images(list(ids), images)
+
+    def _with_images(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
+        n_placeholders = sum(1 for t in ids if t == self.image_token_id)
+        if not images:
+            if n_placeholders:
+                raise InvalidRequestError("images", f"the prompt has {n_placeholders} image token(s) but no image")
+            return PreparedPrompt(ids)
+        if self.processor is None:
+            raise InvalidRequestError("images", "this model has no image processor")
+        pil = [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
+        try:
+            enc = self.processor.image_processor(images=pil, return_tensors="pt")
+        except Exception as e:
+            raise InvalidRequestError("images", f"images: the image processor failed: {e}") from None
+        grid = enc["image_grid_thw"]
+        per_image = [int(g.prod()) // (self.merge_size ** 2) for g in grid]
+        total = sum(per_image)
+        if n_placeholders == total:
+            expanded = ids
+        elif n_placeholders == len(pil):
+            expanded, k = [], 0
+            for t in ids:
+                if t == self.image_token_id:
+                    expanded.extend([t] * per_image[k])
+                    k += 1
+                else:
+                    expanded.append(t)
+        else:
+            raise InvalidRequestError(
+                "input_ids", f"input_ids has {n_placeholders} image tokens; for {len(pil)} image(s) expected "
+                f"{len(pil)} placeholder(s) or {total} expanded tokens")
+        return PreparedPrompt(expanded, enc["pixel_values"], grid, tuple(image_hash(im) for im in pil))

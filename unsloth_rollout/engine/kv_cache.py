@@ -1,0 +1,129 @@
+"""Engine-owned paged KV cache, and the view that lets a stock HF model write into it.
+
+Memory is preallocated once from a byte budget as ``num_blocks * block_size`` token slots per
+layer. Sequences own lists of blocks; identical prompts share full blocks by reference count.
+A forward pass sees a ``CacheView``: HF attention layers call ``update(k, v, layer_idx)``, the
+view scatters the new keys/values into their slots and returns the keys/values the batch attends
+to, gathered per row (rows of different lengths, padded and masked).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.refcount = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.allocate_storage()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def allocate_storage(self) -> None:
+        if self.k:
+            return
+        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def release_storage(self) -> None:
+        """Free the tensors (offload); only legal when no block is in use."""
+        assert self.num_free_blocks == self.num_blocks, "release_storage with blocks in use"
+        self.k, self.v = [], []
+
+    # ------------------------------------------------------------------ block accounting
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free_blocks):
+            return None
+        out = [self.free_blocks.popleft() for _ in range(n)]
+        for b in out:
+            self.refcount[b] = 1
+        return out
+
+    def share(self, blocks: list[int]) -> list[int]:
+        for b in blocks:
+            assert self.refcount[b] > 0
+            self.refcount[b] += 1
+        return list(blocks)
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refcount[b] -= 1
+            assert self.refcount[b] >= 0, "double free of a KV block"
+            if self.refcount[b] == 0:
+                self.free_blocks.append(b)
+
+    def copy_block(self, src: int, dst: int, num_tokens: int | None = None) -> None:
+        n = self.block_size if num_tokens is None else num_tokens
+        s, d = src * self.block_size, dst * self.block_size
+        for t in self.k + self.v:
+            t[d:d + n].copy_(t[s:s + n])
+
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Flat slot indices of token positions [start, end) of a sequence."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class CacheView:
+    """What the HF model sees as ``past_key_values`` for one engine forward.
+
+    prefill: ``gather_index`` is None; keys/values of the new tokens are written and returned as
+    they are (a fresh prompt attends only to itself, with the model's own causal mask).
+    decode: one new token per row; returns the gathered history of each row, ``[B, H, L, D]``.
+    """
+
+    is_compileable = False
+    is_sliding = [False]
+
+    def __init__(self, cache: KVCache, write_slots: torch.Tensor, gather_index: torch.Tensor | None = None,
+                 seq_length: int = 0):
+        self.cache = cache
+        self.write_slots = write_slots
+        self.gather_index = gather_index
+        self._seq_length = seq_length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        b, h, q, d = key_states.shape
+        kc.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * q, h, d).to(kc.dtype))
+        vc.index_copy_(0, self.write_slots, value_states.transpose(1, 2).reshape(b * q, h, d).to(vc.dtype))
+        if self.gather_index is None:
+            return key_states, value_states
+        idx = self.gather_index  # [B, L]
+        keys = kc[idx].permute(0, 2, 1, 3)  # [B, H, L, D]
+        values = vc[idx].permute(0, 2, 1, 3)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seq_length
+
+    def __len__(self) -> int:
+        return self.cache.num_layers

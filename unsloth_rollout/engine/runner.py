@@ -1,0 +1,113 @@
+"""ModelRunner: one batched forward of the policy with the engine-owned KV cache.
+
+The model is only asked for ``forward()``. Positions are given explicitly per row (M-RoPE
+positions for Qwen-VL: text position + the row's rope delta in all three sections), and the
+attention mask is passed as a ready ``{"full_attention": mask}`` mapping, which HF decoders use
+as is. ``decode_forward`` has fixed-rank inputs so a compiled variant can replace it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from .kv_cache import CacheView, KVCache
+
+
+def _text_dims(cfg) -> tuple[int, int, int]:
+    layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return layers, kv, head_dim
+
+
+class ModelRunner:
+    def __init__(self, policy, kv_cache: KVCache):
+        self.policy = policy
+        self.kv = kv_cache
+        self.device = policy.device
+        self.mrope = policy.is_vlm
+        cfg = policy.config
+        self.image_token_id = getattr(cfg, "image_token_id", None)
+        self.video_token_id = getattr(cfg, "video_token_id", None)
+        self._rope_index = self._find_rope_index() if self.mrope else None
+
+    def _find_rope_index(self):
+        m = self.policy.base_model
+        for obj in (getattr(m, "model", None), m):
+            fn = getattr(obj, "get_rope_index", None)
+            if fn is not None:
+                return fn
+        raise RuntimeError("vision-language model without get_rope_index: M-RoPE positions unavailable")
+
+    # ------------------------------------------------------------------ positions
+    def mrope_positions(self, ids: list[int], grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """[3, 1, L] M-RoPE positions of a prompt and its rope delta."""
+        t = torch.tensor([ids], device=self.device)
+        if grid is None:
+            pos = torch.arange(len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
+            return pos, 0
+        kwargs = {"image_grid_thw": grid.to(self.device), "attention_mask": torch.ones_like(t)}
+        params = inspect.signature(self._rope_index).parameters
+        if "mm_token_type_ids" in params:
+            tt = torch.zeros_like(t, dtype=torch.int32)
+            tt[t == self.image_token_id] = 1
+            if self.video_token_id is not None:
+                tt[t == self.video_token_id] = 2
+            kwargs["mm_token_type_ids"] = tt
+        pos, delta = self._rope_index(t, **kwargs)
+        return pos, int(delta.view(-1)[0])
+
+    # ------------------------------------------------------------------ forwards
+    def _forward(self, input_ids, position_ids, mask, view, **mm):
+        mapping = {"full_attention": mask, "sliding_attention": mask}
+        out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mapping,
+                                past_key_values=view, use_cache=True, logits_to_keep=1, **mm)
+        return out.logits[:, -1, :]
+
+    def prefill(self, ids: list[int], slots: list[int], pixel_values=None, image_grid_thw=None):
+        """Run a whole prompt (batch of one), writing its KV into ``slots``. Returns (logits [V], rope_delta)."""
+        input_ids = torch.tensor([ids], device=self.device)
+        delta = 0
+        mm = {}
+        if self.mrope:
+            position_ids, delta = self.mrope_positions(ids, image_grid_thw)
+            if pixel_values is not None:
+                mm = {"pixel_values": pixel_values.to(self.device, self.policy.dtype),
+                      "image_grid_thw": image_grid_thw.to(self.device)}
+        else:
+            position_ids = torch.arange(len(ids), device=self.device).unsqueeze(0)
+        view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0)
+        logits = self._forward(input_ids, position_ids, None, view, **mm)
+        return logits[0], delta
+
+    def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]]):
+        """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
+        bs = self.kv.block_size
+        b = len(tokens)
+        lmax = max(lengths) + 1
+        gather = np.zeros((b, lmax), dtype=np.int64)
+        ar = np.arange(lmax)
+        for i, (n, table) in enumerate(zip(lengths, block_tables)):
+            blocks = np.asarray(table, dtype=np.int64)
+            pos = ar[: n + 1]
+            gather[i, : n + 1] = blocks[pos // bs] * bs + pos % bs
+        write = gather[np.arange(b), np.asarray(lengths)]
+        dev = self.device
+        gather_t = torch.from_numpy(gather).to(dev)
+        write_t = torch.from_numpy(write).to(dev)
+        lens_t = torch.tensor(lengths, device=dev)
+        mask = (torch.arange(lmax, device=dev).unsqueeze(0) <= lens_t.unsqueeze(1)).view(b, 1, 1, lmax)
+        pos = lens_t.view(b, 1)
+        if self.mrope:
+            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
+        view = CacheView(self.kv, write_t, gather_t, lmax)
+        return decode_forward(self, torch.tensor(tokens, device=dev).view(b, 1), pos, mask, view)
+
+
+def decode_forward(runner: ModelRunner, input_ids, position_ids, mask, view) -> torch.Tensor:
+    """The decode step's forward: the seam a compiled, fixed-shape variant replaces."""
+    return runner._forward(input_ids, position_ids, mask, view)

@@ -1,0 +1,108 @@
+"""Sequence: all per-sample state in one object (tokens, logprobs, versions, KV blocks, stop checks)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+from typing import Callable
+
+from .config import SamplingParams
+from .inputs import PreparedPrompt
+from .request import GenerationOutput
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    def __init__(self, request_id: str, sample_index: int, prompt: PreparedPrompt, sampling: SamplingParams,
+                 on_event: Callable[["Sequence", int, bool], None] | None = None, lora_name: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.prompt = prompt
+        self.sampling = sampling
+        self.lora_name = lora_name
+        self.on_event = on_event  # called (seq, finished) from the engine thread after each new token
+        self.stop_text_truncated = False
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_versions: list[int] = []
+        self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.text = ""
+        # KV state: blocks holding this sequence's cached tokens, and how many tokens are cached.
+        self.block_table: list[int] = []
+        self.num_cached = 0
+        self.rope_delta = 0
+        seed = sampling.seed
+        self.rng = random.Random(seed + sample_index) if seed is not None else None
+        self.abort_requested = False
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.penalty_counts = None  # lazily built token-count tensor for frequency/presence penalties
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt.prompt_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append(self, token: int, logprob: float, version: int, top: dict[int, float] | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or {})
+
+    def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    def to_output(self) -> GenerationOutput:
+        now = self.finish_time or time.perf_counter()
+        metrics = {
+            "arrival_time": self.arrival_time,
+            "ttft_s": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
+            "latency_s": now - self.arrival_time,
+            "num_preemptions": self.num_preemptions,
+            "prompt_tokens": len(self.prompt.prompt_ids),
+            "output_tokens": len(self.output_ids),
+        }
+        return GenerationOutput(
+            request_id=self.request_id, prompt_ids=list(self.prompt.prompt_ids), output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs), output_versions=list(self.output_versions),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
+            error=self.error, sample_index=self.sample_index)

@@ -1,0 +1,6 @@
+"""Model layer: load_model() over Unsloth and transformers + PEFT, PolicyModel, offline tiny models."""
+
+from .loader import BackendUnavailableError, load_model, lora_config_from, resolve_backend
+from .policy import PolicyModel
+
+__all__ = ["BackendUnavailableError", "PolicyModel", "load_model", "lora_config_from", "resolve_backend"]
