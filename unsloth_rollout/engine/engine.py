@@ -103,6 +103,8 @@ class RolloutEngine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_prefill_tokens,
                                    self.config.prefix_cache)
         self._version = 0
+        self.lora_adapters: dict[str, str] = {}
+        self._base_default = False
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._abort_ids: set[str] = set()
@@ -195,6 +197,46 @@ class RolloutEngine:
             self._offloaded = False
         self.resume()
 
+    # ================================================================== LoRA adapters served by name
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder that requests select with ``lora_name=name``.
+
+        The policy's own (trained) adapter stays active for requests without a lora_name.
+        """
+        if not name or name in ("__base__",):
+            raise InvalidRequestError("lora_name", f"invalid adapter name {name!r}")
+        if not os.path.isdir(path):
+            raise InvalidRequestError("lora_path", f"lora_path {path!r} is not a folder")
+        with self._step_lock, self.policy.lock:
+            model = self.policy.model
+            if not hasattr(model, "load_adapter") or not hasattr(model, "peft_config"):
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+                self.policy.model = model
+                self._base_default = True
+            else:
+                active = model.active_adapter
+                try:
+                    model.load_adapter(path, adapter_name=name, is_trainable=False)
+                except Exception as e:
+                    raise InvalidRequestError("lora_path", f"cannot load adapter from {path!r}: {e}") from None
+                model.set_adapter(active)
+            self.lora_adapters[name] = path
+            self.runner.base_default = self._base_default
+            self.scheduler.drop_prefix()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if name not in self.lora_adapters:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is not loaded")
+        with self._step_lock, self.policy.lock:
+            for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+                if s.lora_name == name:
+                    self._finish(s, "abort", error=f"adapter {name!r} was unloaded")
+            self.policy.model.delete_adapter(name)
+            del self.lora_adapters[name]
+            self.scheduler.drop_prefix()
+
     def invalidate_prefix_cache(self) -> None:
         with self._step_lock:
             self.scheduler.drop_prefix()
@@ -214,6 +256,8 @@ class RolloutEngine:
     def _make_sequences(self, req: GenerationRequest, on_event) -> list[Sequence]:
         if not isinstance(req, GenerationRequest):
             raise InvalidRequestError("request", f"expected a GenerationRequest, got {type(req).__name__}")
+        if req.lora_name is not None and req.lora_name not in self.lora_adapters:
+            raise InvalidRequestError("lora_name", f"adapter {req.lora_name!r} is not loaded")
         prompt = self.inputs.prepare(req)
         sp = req.sampling
         plen = len(prompt.prompt_ids)
@@ -399,7 +443,8 @@ class RolloutEngine:
                     return 0
                 head.block_table = blocks
                 logits, delta = self.runner.prefill(head.all_ids, self.kv.slots(blocks, 0, head.num_tokens),
-                                                    head.prompt.pixel_values, head.prompt.image_grid_thw)
+                                                    head.prompt.pixel_values, head.prompt.image_grid_thw,
+                                                    head.lora_name)
                 head.num_cached, head.rope_delta = head.num_tokens, delta
                 self._stats["prefill_tokens"] += head.num_tokens
                 self._stats["prefills"] += 1
@@ -413,7 +458,8 @@ class RolloutEngine:
                     raise MemoryError("KV cache exhausted during prefill")
                 try:
                     logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n),
-                                                        head.prompt.pixel_values, head.prompt.image_grid_thw)
+                                                        head.prompt.pixel_values, head.prompt.image_grid_thw,
+                                                        head.lora_name)
                 except Exception:
                     self.kv.free(blocks)
                     raise
@@ -454,7 +500,8 @@ class RolloutEngine:
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:
             logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
-                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs])
+                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs],
+                                        [s.lora_name for s in seqs])
         except Exception as e:
             logger.exception("unsloth_rollout: decode step failed")
             for s in seqs:

@@ -114,9 +114,7 @@ def _split_messages(messages: list[dict], is_vlm: bool) -> tuple[list[dict], lis
                     src = part.get("image") if kind == "image" else part.get("image_url")
                     if isinstance(src, dict):
                         src = src.get("url")
-                    if src is None:
-                        raise InvalidRequestError(f"messages[{i}].content[{j}]", "image part without data")
-                    images.append(src)
+                    images.append(src)  # None: the next entry of the request's ``images``
                     parts.append({"type": "image"})
                 else:
                     raise InvalidRequestError(f"messages[{i}].content[{j}].type",
@@ -167,7 +165,14 @@ class InputPreparer:
         images = list(req.images or [])
         if req.messages is not None:
             text, inline = self.render_chat(req.messages, req.tools, req.chat_template_kwargs)
-            images = inline + images
+            extra = iter(images)
+            merged = [src if src is not None else next(extra, None) for src in inline]
+            rest = list(extra)
+            if any(m is None for m in merged) or rest:
+                raise InvalidRequestError(
+                    "images", f"messages have {len(inline)} image part(s) ({sum(s is None for s in inline)} "
+                    f"without data) but {len(images)} image(s) were given")
+            images = merged
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = req.input_ids

@@ -34,6 +34,7 @@ class ModelRunner:
         self.image_token_id = getattr(cfg, "image_token_id", None)
         self.video_token_id = getattr(cfg, "video_token_id", None)
         self._rope_index = self._find_rope_index() if self.mrope else None
+        self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
 
     def _find_rope_index(self):
         m = self.policy.base_model
@@ -62,13 +63,23 @@ class ModelRunner:
         return pos, int(delta.view(-1)[0])
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, input_ids, position_ids, mask, view, **mm):
+    def _forward(self, input_ids, position_ids, mask, view, adapters=None, **mm):
         mapping = {"full_attention": mask, "sliding_attention": mask}
+        if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
+            mm["adapter_names"] = adapters
         out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mapping,
                                 past_key_values=view, use_cache=True, logits_to_keep=1, **mm)
         return out.logits[:, -1, :]
 
-    def prefill(self, ids: list[int], slots: list[int], pixel_values=None, image_grid_thw=None):
+    def adapter_names(self, names: list[str | None]) -> list[str] | None:
+        """Per-row PEFT adapter names, or None when every row uses the active adapter."""
+        if all(n is None for n in names) and not self.base_default:
+            return None
+        active = "__base__" if self.base_default else getattr(self.policy.model, "active_adapter", "__base__")
+        return [active if n is None else n for n in names]
+
+    def prefill(self, ids: list[int], slots: list[int], pixel_values=None, image_grid_thw=None,
+                adapter: str | None = None):
         """Run a whole prompt (batch of one), writing its KV into ``slots``. Returns (logits [V], rope_delta)."""
         input_ids = torch.tensor([ids], device=self.device)
         delta = 0
@@ -81,10 +92,11 @@ class ModelRunner:
         else:
             position_ids = torch.arange(len(ids), device=self.device).unsqueeze(0)
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0)
-        logits = self._forward(input_ids, position_ids, None, view, **mm)
+        logits = self._forward(input_ids, position_ids, None, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
-    def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]]):
+    def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
+               adapters: list[str | None] | None = None):
         """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
         bs = self.kv.block_size
         b = len(tokens)
@@ -105,9 +117,10 @@ class ModelRunner:
         if self.mrope:
             pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
         view = CacheView(self.kv, write_t, gather_t, lmax)
-        return decode_forward(self, torch.tensor(tokens, device=dev).view(b, 1), pos, mask, view)
+        names = self.adapter_names(adapters or [None] * b)
+        return decode_forward(self, torch.tensor(tokens, device=dev).view(b, 1), pos, mask, view, names)
 
 
-def decode_forward(runner: ModelRunner, input_ids, position_ids, mask, view) -> torch.Tensor:
+def decode_forward(runner: ModelRunner, input_ids, position_ids, mask, view, adapters=None) -> torch.Tensor:
     """The decode step's forward: the seam a compiled, fixed-shape variant replaces."""
-    return runner._forward(input_ids, position_ids, mask, view)
+    return runner._forward(input_ids, position_ids, mask, view, adapters)
