@@ -1,0 +1,74 @@
+"""Shared fixtures: offline tiny models (built once per machine, cached) and HF oracles."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+
+from unsloth_rollout.models.tiny import tiny_model_path
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir():
+    return str(tiny_model_path("qwen2", "tiny"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir():
+    return str(tiny_model_path("qwen2_vl", "tiny"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir():
+    return str(tiny_model_path("qwen2_5_vl", "tiny"))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(qwen2_dir, qwen2_vl_dir, qwen2_5_vl_dir):
+    return {"qwen2": qwen2_dir, "qwen2_vl": qwen2_vl_dir, "qwen2_5_vl": qwen2_5_vl_dir}
+
+
+def random_images(n: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(64, 48), (40, 90), (56, 56), (30, 70), (84, 28)]
+    return [Image.fromarray(rng.integers(0, 255, (*sizes[i % len(sizes)], 3), dtype=np.uint8)) for i in range(n)]
+
+
+def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
+    """Give LoRA B matrices random values so LoRA is not a no-op; returns how many were touched."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+                n += 1
+    return n
+
+
+def mm_token_type_ids(ids: torch.Tensor, config) -> torch.Tensor:
+    tt = torch.zeros_like(ids, dtype=torch.int32)
+    tt[ids == config.image_token_id] = 1
+    return tt
+
+
+def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None):
+    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle)."""
+    full = torch.tensor([list(prompt_ids) + list(output_ids)])
+    kw = {}
+    if pixel_values is not None:
+        kw = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
+              "mm_token_type_ids": mm_token_type_ids(full, policy.config)}
+    policy.clear_rope_deltas()
+    with torch.no_grad():
+        logits = policy.model(input_ids=full, **kw).logits[0, len(prompt_ids) - 1:-1].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1), logits

@@ -1,0 +1,187 @@
+"""Processor loading for Qwen2-VL / Qwen2.5-VL that works without torchvision.
+
+transformers' ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` insist on a video processor, and
+the video processor needs torchvision, which is not installed here (a mismatched wheel breaks
+``import transformers`` pieces). The image-only subclasses below drop the video part and use the
+PIL image processor; they load standard processor folders and save folders that standard
+loaders still recognise.
+
+Example::
+
+    >>> from unsloth_rollout.models.processor import load_processor
+    >>> proc = load_processor("path/to/qwen2_5_vl")          # None for a text-only model
+    >>> text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    >>> batch = proc(text=[text], images=[image], return_tensors="pt")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+try:  # transformers >= 5.17 splits the PIL and torchvision image processors
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil as _ImageProcessor,
+    )
+except ImportError:  # older releases: the plain class is the PIL one
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as _ImageProcessor
+
+logger = logging.getLogger("unsloth_rollout")
+
+__all__ = [
+    "VLM_MODEL_TYPES",
+    "Qwen2VLImageOnlyProcessor",
+    "Qwen2_5_VLImageOnlyProcessor",
+    "is_vlm_config",
+    "load_processor",
+]
+
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+# Files whose "processor_class" names the processor that saved the folder.
+_PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+class _ImageOnlyMixin:
+    """Shared body of the image-only processors; mixed in before the transformers class."""
+
+    # The transformers class this one stands in for; written to saved folders.
+    _standard_class: type[ProcessorMixin]
+    # transformers 4.x reads the sub-processors from this list (5.x reads the __init__ signature).
+    attributes = ["image_processor", "tokenizer"]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # Same token bookkeeping as the parent __init__, which we skip because it wants a video processor.
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(
+            self.image_token
+        )
+        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(
+            self.video_token
+        )
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    def __call__(self, images=None, text=None, videos=None, **kwargs):
+        # Without this check videos would be dropped silently (there is no video processor to run).
+        if videos is not None:
+            raise ValueError(f"{type(self).__name__} handles images only; `videos` needs torchvision")
+        return super().__call__(images=images, text=text, **kwargs)
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        # Load the PIL image processor explicitly: AutoImageProcessor may pick a torchvision class.
+        image_processor = _ImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return [image_processor, tokenizer]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        files = super().save_pretrained(save_directory, *args, **kwargs)
+        # Name the standard class, as real Qwen folders do: for a class name it does not know,
+        # AutoProcessor silently returns a bare tokenizer instead of failing.
+        for name in _PROCESSOR_CLASS_FILES:
+            _rename_processor_class(os.path.join(save_directory, name), self._standard_class.__name__)
+        return files
+
+
+class Qwen2VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without the video processor (no torchvision needed).
+
+    Example::
+
+        >>> proc = Qwen2VLImageOnlyProcessor.from_pretrained("path/to/qwen2_vl")
+        >>> proc(text=["<|vision_start|><|image_pad|><|vision_end|>hi"], images=[img], return_tensors="pt")
+    """
+
+    _standard_class = Qwen2VLProcessor
+
+
+class Qwen2_5_VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without the video processor (no torchvision needed)."""
+
+    _standard_class = Qwen2_5_VLProcessor
+
+
+_IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
+    "qwen2_vl": Qwen2VLImageOnlyProcessor,
+    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+}
+
+
+def is_vlm_config(config: Any) -> bool:
+    """True when ``config`` describes a vision-language model (a Qwen2-VL family type or any vision tower).
+
+    Example::
+
+        >>> is_vlm_config(AutoConfig.from_pretrained("path/to/qwen2_5_vl"))
+        True
+    """
+    if getattr(config, "model_type", None) in VLM_MODEL_TYPES:
+        return True
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixin | None:
+    """Load the multimodal processor of a model folder, or return None for a text-only model.
+
+    Tries ``AutoProcessor`` first. When it raises (typically the torchvision-backed video processor)
+    or returns only a tokenizer, falls back to the image-only processor for ``config.model_type``
+    and logs one line saying why.
+
+    Example::
+
+        >>> proc = load_processor("path/to/qwen2_5_vl")
+        >>> proc.image_processor.merge_size
+        2
+    """
+    path = os.fspath(path)
+    if config is None:
+        config = AutoConfig.from_pretrained(path)
+    if not is_vlm_config(config) and not _has_preprocessor_config(path):
+        return None
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any failure here (ImportError, ValueError, OSError...) means "fall back"
+        reason, cause = f"AutoProcessor failed with {type(exc).__name__}: {_first_line(exc)}", exc
+    else:
+        if getattr(processor, "image_processor", None) is not None:
+            return processor
+        reason, cause = f"AutoProcessor returned a {type(processor).__name__} without an image processor", None
+
+    model_type = getattr(config, "model_type", None)
+    fallback = _IMAGE_ONLY_PROCESSORS.get(model_type)
+    if fallback is None:
+        raise ValueError(f"cannot load a processor for model_type={model_type!r} from {path}: {reason}") from cause
+    logger.warning("load_processor(%s): %s; using %s", path, reason, fallback.__name__)
+    return fallback.from_pretrained(path)
+
+
+def _has_preprocessor_config(path: str) -> bool:
+    # Only local folders are inspected; a hub id without a local folder counts as "no preprocessor".
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("preprocessor_config.json", "processor_config.json"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _rename_processor_class(file: str, class_name: str) -> None:
+    if not os.path.isfile(file):
+        return
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    if "processor_class" not in data:
+        return
+    data["processor_class"] = class_name
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
