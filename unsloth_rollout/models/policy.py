@@ -165,8 +165,8 @@ class PolicyModel:
         """Switch to inference mode: eval(), no gradient checkpointing, use_cache, left padding."""
         with self.lock:
             prev = self._state()
-            if prev.training:
-                self.gradient_checkpointing = prev.gradient_checkpointing
+            if prev.training and prev.gradient_checkpointing:  # remember it for the way back
+                self.gradient_checkpointing = True
             if self.backend == "unsloth":
                 _unsloth_cls(self).for_inference(self.model)
             base = self.base_model
