@@ -150,7 +150,7 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - any failure here (ImportError, ValueError, OSError...) means "fall back"
-        reason, cause = f"AutoProcessor failed with {type(exc).__name__}: {_first_line(exc)}", exc
+        reason, cause = f"AutoProcessor failed with {type(exc).__name__}: {_first_sentence(exc)}", exc
     else:
         if getattr(processor, "image_processor", None) is not None:
             return processor
@@ -166,12 +166,17 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
 
 def _has_preprocessor_config(path: str) -> bool:
     # Only local folders are inspected; a hub id without a local folder counts as "no preprocessor".
-    return any(os.path.isfile(os.path.join(path, name)) for name in ("preprocessor_config.json", "processor_config.json"))
+    names = ("preprocessor_config.json", "processor_config.json")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names)
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_sentence(exc: BaseException) -> str:
+    # transformers' import errors run to several lines of install advice; the first sentence says it all.
     text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
+    if not text:
+        return "(no message)"
+    line = text.splitlines()[0]
+    return line.split(". ", 1)[0].rstrip(".") + "."
 
 
 def _rename_processor_class(file: str, class_name: str) -> None:

@@ -206,7 +206,8 @@ def chat_template(arch: str = "qwen2_5_vl") -> str:
         >>> "<tool_call>" in chat_template("qwen2")
         True
     """
-    _check_arch_size(arch, "tiny")
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
     return _CHAT_TEMPLATE.replace("@@SYSTEM@@", _SYSTEM_PROMPTS[arch])
 
 
@@ -226,6 +227,7 @@ def build_tiny_model(
 ) -> pathlib.Path:
     """Write a random-weight ``arch`` model of ``size`` to ``out`` and return its path.
 
+    ``out`` is created if needed and should be empty (or an earlier build, which is overwritten).
     With ``out=None`` the model goes to ``$UNSLOTH_ROLLOUT_CACHE/tiny/{arch}-{size}-s{seed}-v1``
     (default cache root ``~/.cache/unsloth_rollout``) and a complete earlier build is reused;
     builds there are atomic, so concurrent test workers are safe.
