@@ -15,6 +15,25 @@ import torch
 
 from .kv_cache import CacheView, KVCache
 
+ATTN_NAME = "unsloth_rollout_sdpa"
+
+
+def engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """SDPA with native grouped-query attention: HF's sdpa path repeats K/V per head whenever a mask is
+    given (a full copy of the gathered cache every layer and step); ``enable_gqa`` reads them as they are."""
+    causal = attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, engine_attention)
+
 
 def _text_dims(cfg) -> tuple[int, int, int]:
     layers = cfg.num_hidden_layers
@@ -35,6 +54,9 @@ class ModelRunner:
         self.video_token_id = getattr(cfg, "video_token_id", None)
         self._rope_index = self._find_rope_index() if self.mrope else None
         self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
+        _register_attention()
+        # The decoder's config; its attention implementation is switched to the engine's during engine forwards.
+        self._text_config = policy.text_config
 
     def _find_rope_index(self):
         m = self.policy.base_model
@@ -67,8 +89,14 @@ class ModelRunner:
         mapping = {"full_attention": mask, "sliding_attention": mask}
         if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
             mm["adapter_names"] = adapters
-        out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mapping,
-                                past_key_values=view, use_cache=True, logits_to_keep=1, **mm)
+        cfg = self._text_config
+        saved = cfg._attn_implementation_internal
+        cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
+        try:
+            out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mapping,
+                                    past_key_values=view, use_cache=True, logits_to_keep=1, **mm)
+        finally:
+            cfg._attn_implementation_internal = saved
         return out.logits[:, -1, :]
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
