@@ -122,6 +122,8 @@ class EngineConfig:
         suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
             the trainer's forward); logprobs are unaffected.
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
+        decode_compile: run decode steps through ``torch.compile`` with bucketed shapes (batch and length
+            padded to powers of two); ``compile_mode`` defaults to "reduce-overhead" (CUDA graphs) on GPU.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -133,6 +135,7 @@ class EngineConfig:
     suppress_vision_tokens: bool = True
     prefix_cache: bool = True
     decode_compile: bool = False
+    compile_mode: str | None = None
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)

@@ -96,7 +96,7 @@ class RolloutEngine:
         model_max = getattr(tcfg, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(self.config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
-        self.runner = ModelRunner(policy, self.kv)
+        self.runner = ModelRunner(policy, self.kv, self.config.decode_compile, self.config.compile_mode)
         self.eos_ids = self._eos_ids()
         suppress = self.inputs.vision_token_ids() if (policy.is_vlm and self.config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
@@ -233,7 +233,13 @@ class RolloutEngine:
             for s in list(self.scheduler.running) + list(self.scheduler.waiting):
                 if s.lora_name == name:
                     self._finish(s, "abort", error=f"adapter {name!r} was unloaded")
-            self.policy.model.delete_adapter(name)
+            if self._base_default and set(self.lora_adapters) == {name}:
+                # The policy had no adapter of its own and this was the last served one: PEFT cannot run
+                # with zero adapters, so take the LoRA layers out and serve the plain model again.
+                self.policy.model = self.policy.model.unload()
+                self._base_default = self.runner.base_default = False
+            else:
+                self.policy.model.delete_adapter(name)
             del self.lora_adapters[name]
             self.scheduler.drop_prefix()
 

@@ -24,6 +24,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        # One extra block past the usable ones is scratch: padded rows of a fixed-shape decode write there.
+        self.scratch_slot = num_blocks * block_size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.refcount = [0] * num_blocks
@@ -45,7 +47,7 @@ class KVCache:
     def allocate_storage(self) -> None:
         if self.k:
             return
-        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_slots + self.block_size, self.num_kv_heads, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 

@@ -43,8 +43,16 @@ def _text_dims(cfg) -> tuple[int, int, int]:
     return layers, kv, head_dim
 
 
+def _bucket(n: int, minimum: int = 1) -> int:
+    """Next power of two: a handful of decode shapes, so a compiled step is reused."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
 class ModelRunner:
-    def __init__(self, policy, kv_cache: KVCache):
+    def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None):
         self.policy = policy
         self.kv = kv_cache
         self.device = policy.device
@@ -57,6 +65,12 @@ class ModelRunner:
         _register_attention()
         # The decoder's config; its attention implementation is switched to the engine's during engine forwards.
         self._text_config = policy.text_config
+        self.compile_decode = compile_decode
+        self._compiled = None
+        if compile_decode:
+            # Automatic dynamic shapes on CPU; on CUDA "reduce-overhead" captures CUDA graphs per bucket.
+            mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else None)
+            self._compiled = torch.compile(self._static_decode, mode=mode, dynamic=None)
 
     def _find_rope_index(self):
         m = self.policy.base_model
@@ -127,14 +141,21 @@ class ModelRunner:
                adapters: list[str | None] | None = None):
         """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
         bs = self.kv.block_size
-        b = len(tokens)
-        lmax = max(lengths) + 1
-        gather = np.zeros((b, lmax), dtype=np.int64)
+        n_rows = len(tokens)
+        names = self.adapter_names(adapters or [None] * n_rows)
+        static = self._compiled is not None and names is None
+        b = _bucket(n_rows) if static else n_rows
+        lmax = _bucket(max(lengths) + 1, 64) if static else max(lengths) + 1
+        if static and b > n_rows:  # padded rows: one scratch slot, attended to and overwritten
+            tokens = list(tokens) + [0] * (b - n_rows)
+            deltas = list(deltas) + [0] * (b - n_rows)
+        gather = np.full((b, lmax), self.kv.scratch_slot, dtype=np.int64)
         ar = np.arange(lmax)
         for i, (n, table) in enumerate(zip(lengths, block_tables)):
             blocks = np.asarray(table, dtype=np.int64)
             pos = ar[: n + 1]
             gather[i, : n + 1] = blocks[pos // bs] * bs + pos % bs
+        lengths = list(lengths) + [0] * (b - n_rows)
         write = gather[np.arange(b), np.asarray(lengths)]
         dev = self.device
         gather_t = torch.from_numpy(gather).to(dev)
@@ -144,11 +165,13 @@ class ModelRunner:
         pos = lens_t.view(b, 1)
         if self.mrope:
             pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
+        input_ids = torch.tensor(tokens, device=dev).view(b, 1)
+        if static:
+            return self._compiled(input_ids, pos, mask, write_t, gather_t)[:n_rows]
         view = CacheView(self.kv, write_t, gather_t, lmax)
-        names = self.adapter_names(adapters or [None] * b)
-        return decode_forward(self, torch.tensor(tokens, device=dev).view(b, 1), pos, mask, view, names)
+        return self._forward(input_ids, pos, mask, view, names)
 
-
-def decode_forward(runner: ModelRunner, input_ids, position_ids, mask, view, adapters=None) -> torch.Tensor:
-    """The decode step's forward: the seam a compiled, fixed-shape variant replaces."""
-    return runner._forward(input_ids, position_ids, mask, view, adapters)
+    def _static_decode(self, input_ids, position_ids, mask, write_slots, gather_index) -> torch.Tensor:
+        """The fixed-shape decode step (bucketed batch and length) that torch.compile captures."""
+        view = CacheView(self.kv, write_slots, gather_index, gather_index.shape[1])
+        return self._forward(input_ids, position_ids, mask, view)
