@@ -426,9 +426,8 @@ class RolloutEngine:
             try:
                 version = self._version
                 plan = self.scheduler.schedule(version)
-                decode = self.scheduler.ensure_decode_slots(plan.decode)
-                if decode:
-                    produced += self._decode(decode, version)
+                if plan.decode:
+                    produced += self._decode(plan.decode, version)
                 for group in plan.prefill_groups:
                     produced += self._prefill(group, version)
             finally:
@@ -445,7 +444,7 @@ class RolloutEngine:
             if head.output_ids:  # resumed after preemption: recompute prompt + output privately
                 blocks = sch.allocate(sch.blocks_for(head.num_tokens))
                 if blocks is None:
-                    sch.preempt(head)
+                    sch.preempt(head, count=False)
                     return 0
                 head.block_table = blocks
                 logits, delta = self.runner.prefill(head.all_ids, self.kv.slots(blocks, 0, head.num_tokens),
@@ -460,8 +459,10 @@ class RolloutEngine:
             n = len(head.prompt_ids)
             if entry is None:
                 blocks = sch.allocate(sch.blocks_for(n), keep=key)
-                if blocks is None:
-                    raise MemoryError("KV cache exhausted during prefill")
+                if blocks is None:  # memory went elsewhere this step: wait in line, first
+                    for s in reversed(group):
+                        sch.preempt(s, count=False)
+                    return 0
                 try:
                     logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n),
                                                         head.prompt.pixel_values, head.prompt.image_grid_thw,
@@ -485,7 +486,7 @@ class RolloutEngine:
                     own = sch.allocate(1, keep=key)
                     if own is None:
                         self.kv.free(table)
-                        sch.preempt(s)
+                        sch.preempt(s, count=False)
                         continue
                     self.kv.copy_block(entry.blocks[full], own[0], rem)
                     table += own

@@ -93,17 +93,21 @@ class Scheduler:
             return None
         return self.kv.allocate(n)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
+        """Free a running sequence's KV and put it first in line; it is recomputed when admitted again."""
         self.free_seq(seq)
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, version: int) -> ScheduledStep:
+        """Grow running sequences by one slot each (preempting if full), then admit waiting ones into what is left."""
         self.invalidate_versions(version)
+        decode = self.ensure_decode_slots([s for s in self.running if s.num_cached > 0])
         groups: list[list[Sequence]] = []
         budget = self.max_prefill_tokens
         slots = self.max_num_seqs - len(self.running)
@@ -136,7 +140,7 @@ class Scheduler:
             slots -= len(members)
             if not cached:
                 budget -= cost
-        return ScheduledStep(groups, [s for s in self.running if s.num_cached > 0])
+        return ScheduledStep(groups, [s for s in decode if s.status == Status.RUNNING])
 
     def ensure_decode_slots(self, seqs: list[Sequence]) -> list[Sequence]:
         """Give each decoding sequence room for one more token, preempting the youngest when full."""
