@@ -34,7 +34,7 @@ from dataclasses import dataclass
 __all__ = ["ARCHES", "SIZES", "SPECIAL_TOKENS", "build_tiny_model", "chat_template", "tiny_model_path"]
 
 ARCHES = ("qwen2", "qwen2_vl", "qwen2_5_vl")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "1.5b", "3b", "7b")  # the last three: real dimensions, for GPU benchmarks
 
 # Bump when the files a build writes change, so stale cache entries are not reused.
 _FORMAT_VERSION = "v1"
@@ -90,6 +90,8 @@ class _Spec:
     fullatt_blocks: tuple[int, ...]  # Qwen2.5-VL: blocks with full attention, the rest windowed
     min_pixels: int
     max_pixels: int
+    model_vocab: int = 0  # 0: the tokenizer's size; real sizes keep Qwen's 151936-row embedding and lm_head
+    tie_embeddings: bool = False  # as the real checkpoint of that size
 
 
 _SPECS = {
@@ -104,6 +106,27 @@ _SPECS = {
         bpe_vocab=2026, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, mrope_section=(8, 12, 12),
         init_range=0.06, vision_depth=4, vision_embed=256, vision_heads=4, vision_intermediate=640,
         fullatt_blocks=(1, 3), min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64,
+    ),
+    # Real Qwen dimensions with random weights, to measure throughput and memory on a GPU (bf16 ~3/6/15 GB).
+    # Qwen2.5-1.5B (text).
+    "1.5b": _Spec(
+        bpe_vocab=2026, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, mrope_section=(16, 24, 24),
+        init_range=0.02, vision_depth=32, vision_embed=1280, vision_heads=16, vision_intermediate=3420,
+        fullatt_blocks=(7, 15, 23, 31), min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, model_vocab=151936,
+        tie_embeddings=True,
+    ),
+    # Qwen2.5-VL-3B.
+    "3b": _Spec(
+        bpe_vocab=2026, hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, mrope_section=(16, 24, 24),
+        init_range=0.02, vision_depth=32, vision_embed=1280, vision_heads=16, vision_intermediate=3420,
+        fullatt_blocks=(7, 15, 23, 31), min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, model_vocab=151936,
+        tie_embeddings=True,
+    ),
+    # Qwen2.5-VL-7B.
+    "7b": _Spec(
+        bpe_vocab=2026, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, mrope_section=(16, 24, 24),
+        init_range=0.02, vision_depth=32, vision_embed=1280, vision_heads=16, vision_intermediate=3420,
+        fullatt_blocks=(7, 15, 23, 31), min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, model_vocab=151936,
     ),
 }  # fmt: skip
 
@@ -286,13 +309,17 @@ def _write_model(path: pathlib.Path, arch: str, size: str, seed: int) -> None:
     tokenizer = _build_tokenizer(spec.bpe_vocab)
     tokenizer.chat_template = chat_template(arch)
     ids = {text: tokenizer.convert_tokens_to_ids(text) for text, _ in SPECIAL_TOKENS}
-    config = _model_config(arch, spec, ids, vocab_size=_round_up(len(tokenizer), 64))
+    config = _model_config(arch, spec, ids, vocab_size=spec.model_vocab or _round_up(len(tokenizer), 64))
 
     auto_model = AutoModelForCausalLM if arch == "qwen2" else AutoModelForImageTextToText
     # Seed the global RNG (weights) and restore it, so building does not disturb the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = auto_model.from_config(config, dtype=torch.float32)
+        # Real sizes are built in bf16 (on a GPU when there is one): fp32 would double time and disk.
+        big = spec.model_vocab > 0
+        device = "cuda" if big and torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            model = auto_model.from_config(config, dtype=torch.bfloat16 if big else torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -319,6 +346,7 @@ def _model_config(arch: str, spec: _Spec, ids: dict[str, int], vocab_size: int):
     from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig
 
     head_dim = spec.hidden // spec.heads
+    dtype = "bfloat16" if spec.model_vocab else "float32"
     assert sum(spec.mrope_section) * 2 == head_dim, "mrope_section must cover head_dim / 2"
     text = dict(
         vocab_size=vocab_size,
@@ -334,10 +362,10 @@ def _model_config(arch: str, spec: _Spec, ids: dict[str, int], vocab_size: int):
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
     )
     if arch == "qwen2":
-        return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **text, dtype="float32")
+        return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **text, dtype=dtype)
 
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": list(spec.mrope_section)}
     vision_common = dict(
@@ -372,8 +400,8 @@ def _model_config(arch: str, spec: _Spec, ids: dict[str, int], vocab_size: int):
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
+        tie_word_embeddings=spec.tie_embeddings,
+        dtype=dtype,
     )
 
 
