@@ -1,0 +1,106 @@
+"""``unsloth-rollout serve``: load a model, build one RolloutEngine, serve it with uvicorn.
+
+Example::
+
+    unsloth-rollout serve ./qwen2.5-vl-3b --backend auto --max-model-len 8192 \\
+        --lora policy=./ckpt/lora-v3 --api-key "$KEY" --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+logger = logging.getLogger("unsloth_rollout.serve")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("model", help="model folder (or hub name when online)")
+    g = p.add_argument_group("model")
+    g.add_argument("--backend", choices=("auto", "unsloth", "transformers"), default="auto")
+    g.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 weights")
+    g.add_argument("--dtype", default=None, help="torch dtype name (default: fp32 on CPU, bf16 on GPUs that have it)")
+    g.add_argument("--device", default=None)
+    g.add_argument("--lora", "--lora-modules", dest="lora", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="PEFT adapters to load at start; requests select them by NAME")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    g.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV cache budget (default: a fraction of "
+                   "free memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--no-prefix-cache", action="store_true")
+    g.add_argument("--seed", type=int, default=None, help="sampler seed for requests without their own seed")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("UNSLOTH_ROLLOUT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $UNSLOTH_ROLLOUT_API_KEY)")
+    g.add_argument("--served-model-name", nargs="+", default=None, help="name(s) requests use for the model")
+    g.add_argument("--allowed-local-media-path", default=None, help="allow image files under this folder")
+    g.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs")
+    g.add_argument("--max-images-per-request", type=int, default=16)
+    g.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    g.add_argument("--max-n", type=int, default=64, help="largest n per request")
+    g.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
+    g.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "transformers"), default="auto")
+    g.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: default sampling parameters from the model's generation_config.json")
+    g.add_argument("--log-level", default="info")
+    return p
+
+
+def _parse_loras(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora expects NAME=PATH, got {item!r}")
+        out.append((name, path))
+    return out
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model and engine described by ``args`` and return the app (the CLI without uvicorn)."""
+    from ..engine import EngineConfig, RolloutEngine
+    from ..models import load_model
+    from .app import create_app
+
+    loras = _parse_loras(args.lora)
+    policy = load_model(args.model, backend=args.backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+                        max_seq_length=args.max_model_len, device=args.device)
+    config = EngineConfig(
+        kv_cache_memory_bytes=args.kv_cache_memory_mb << 20 if args.kv_cache_memory_mb else None,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache)
+    engine = RolloutEngine(policy, config, seed=args.seed)
+    for name, path in loras:
+        engine.load_lora_adapter(name, path)
+    return create_app(engine, served_model_name=args.served_model_name or [args.model], api_key=args.api_key,
+                      model_path=args.model, allowed_local_media_path=args.allowed_local_media_path,
+                      allow_remote_images=args.allow_remote_images,
+                      max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+                      max_n=args.max_n, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                      tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+                      owns_engine=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
+    logger.info("unsloth_rollout: serving %s on http://%s:%d", args.model, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_serve_arguments(argparse.ArgumentParser(
+        prog="unsloth-rollout serve", description="OpenAI/vLLM-compatible server over an in-process rollout engine"))
+    run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

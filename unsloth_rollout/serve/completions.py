@@ -1,0 +1,501 @@
+"""Chat and text completions: OpenAI request -> GenerationRequest(s) -> engine -> vLLM-shaped response.
+
+The prompt is rendered here with the engine's own ``render_chat`` (so tokens equal what the
+in-process engine builds from the same messages) and checked against ``max_model_len`` before
+anything is queued; the engine expands image placeholders and samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body
+from .state import ClientDisconnected, EngineStream, ServerState, run_until_disconnect
+from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
+
+# Engine field -> request field, for the ``param`` of a 400.
+_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "lora_name": "model"}
+
+
+@dataclass
+class Prepared:
+    """One OpenAI request turned into engine requests, plus what the response needs."""
+
+    requests: list[GenerationRequest]
+    prompt_ids: list[list[int]]  # per request, image placeholders expanded
+    n: int
+    logprobs: int | None  # top logprobs per token (None: no logprobs)
+    as_token_ids: bool
+    prompt_param: str
+    prompt_text: str = ""
+    prefix: str = ""  # forced assistant text (tool_choice required / named)
+    tools: list[dict] | None = None
+    tool_choice: object = "none"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _lp(v: float) -> float:
+    return max(float(v), -9999.0)  # JSON has no -inf; vLLM clamps the same way
+
+
+# ====================================================================== request -> engine
+def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp_param: str) -> SamplingParams:
+    for name, bad in (("use_beam_search", req.use_beam_search), ("logit_bias", req.logit_bias),
+                      ("prompt_logprobs", req.prompt_logprobs), ("echo", req.echo)):
+        if bad:
+            raise APIError(f"{name} is not supported by this server", param=name)
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise APIError("response_format other than 'text' is not supported by this server", param="response_format")
+    n = req.n if req.n is not None else 1
+    if n > state.options.max_n:
+        raise APIError(f"n must be at most {state.options.max_n}, got {n}", param="n")
+    d = state.options.default_sampling
+
+    def pick(value, key, fallback):
+        return value if value is not None else d.get(key, fallback)
+
+    top_k = pick(req.top_k, "top_k", -1)
+    stop = req.stop if req.stop is not None else []
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens, min_new_tokens=req.min_tokens or 0,
+            temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=-1 if top_k == 0 else top_k, min_p=pick(req.min_p, "min_p", 0.0),
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs or 0, n=n,
+            skip_special_tokens=req.skip_special_tokens is not False)
+    except InvalidRequestError as e:
+        param = lp_param if e.field == "logprobs" else _PARAM.get(e.field, e.field)
+        raise APIError(str(e).replace(e.field, param, 1), param=param) from None
+
+
+def _max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str) -> int:
+    limit = state.engine.max_model_len
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input.", param=prompt_param)
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the "
+                       f"completion). Please reduce the length of the input or completion.", param=param)
+    return max_tokens
+
+
+def _normalize_messages(messages: list) -> list[dict]:
+    """Check roles; parse assistant tool-call arguments (JSON strings) into objects for the template."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise APIError(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+            m = dict(m)
+            m["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        out.append(m)
+    return out
+
+
+def _template_call(call, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"{where}.function must be an object with a name", param=f"{where}.function")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # left as text: the template prints what the model said
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def _image_tokens(state: ServerState, images: list) -> list[int]:
+    """Tokens each image expands to (so prompt length checks count them); 1 each when unknown."""
+    proc = state.engine.policy.processor
+    try:
+        data = proc._get_num_multimodal_tokens(image_sizes=[(im.height, im.width) for im in images])
+        counts = [int(c) for c in data.num_image_tokens]
+        if len(counts) == len(images):
+            return counts
+    except Exception:
+        pass
+    return [1] * len(images)
+
+
+def _expand(ids: list[int], image_token_id, counts: list[int]) -> list[int]:
+    if not counts or image_token_id is None:
+        return ids
+    out, k = [], 0
+    for t in ids:
+        if t == image_token_id and k < len(counts):
+            out.extend([t] * counts[k])
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
+    engine = state.engine
+    lora = state.resolve_model(req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("when using top_logprobs, logprobs must be set to true", param="top_logprobs")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.model_dump()
+        if not tools or choice["function"]["name"] not in [t["function"]["name"] for t in tools]:
+            raise APIError(f"tool_choice names function {choice['function']['name']!r}, which is not in tools",
+                           param="tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "required" and not tools:
+        raise APIError("tool_choice 'required' needs tools", param="tool_choice")
+
+    messages = _normalize_messages(req.messages)
+    messages, images = await state.media.resolve_messages(messages, accept_images=engine.policy.is_vlm)
+    kwargs = dict(req.chat_template_kwargs or {})
+    add_generation_prompt = req.add_generation_prompt is not False
+    if req.continue_final_message:
+        if add_generation_prompt and "add_generation_prompt" not in (req.model_fields_set or ()):
+            add_generation_prompt = False
+        if add_generation_prompt:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        kwargs["continue_final_message"] = True
+    try:
+        text, _ = engine.inputs.render_chat(messages, tools, kwargs, add_generation_prompt=add_generation_prompt)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.field) from None
+    prefix = forced_prefix(state.tool_parser, choice, tools) if choice == "required" or isinstance(choice, dict) \
+        else ""
+    ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
+    counts = _image_tokens(state, images)
+    expanded = _expand(ids, getattr(engine.inputs, "image_token_id", None), counts)
+
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(state, len(expanded), max_tokens, param, "messages")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    sp = _sampling(state, req, max_tokens, top, "top_logprobs")
+    greq = GenerationRequest(input_ids=ids, images=images or None, sampling=sp, request_id=uuid.uuid4().hex,
+                             lora_name=lora)
+    return Prepared([greq], [expanded], sp.n, top, bool(req.return_tokens_as_token_ids), "messages",
+                    prompt_text=text + prefix, prefix=prefix, tools=tools, tool_choice=choice)
+
+
+def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
+    lora = state.resolve_model(req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported by this server", param="suffix")
+    p = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    all_ids = []
+    for k, x in enumerate(prompts):
+        ids = state.tokenizer.encode(x, add_special_tokens=req.add_special_tokens is not False) \
+            if isinstance(x, str) else list(x)
+        if not ids:
+            raise APIError(f"prompt{'' if len(prompts) == 1 else f'[{k}]'} must not be empty", param="prompt")
+        all_ids.append(ids)
+    requests = []
+    for ids in all_ids:
+        max_tokens = _max_tokens(state, len(ids), req.max_tokens, "max_tokens", "prompt")
+        sp = _sampling(state, req, max_tokens, req.logprobs, "logprobs")
+        requests.append(GenerationRequest(input_ids=ids, sampling=sp, request_id=uuid.uuid4().hex, lora_name=lora))
+    return Prepared(requests, all_ids, requests[0].sampling.n, req.logprobs,
+                    bool(req.return_tokens_as_token_ids), "prompt")
+
+
+# ====================================================================== engine -> response
+def _chat_logprobs(state, prep: Prepared, ids, lps, tops) -> dict:
+    content = []
+    for i, (t, lp) in enumerate(zip(ids, lps)):
+        s = state.token_str(t, prep.as_token_ids)
+        top = sorted((tops[i] if tops else {}).items(), key=lambda kv: -kv[1])
+        content.append({"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": (ts := state.token_str(tt, prep.as_token_ids)), "logprob": _lp(v),
+                                          "bytes": list(ts.encode("utf-8"))} for tt, v in top]})
+    return {"content": content}
+
+
+def _completion_logprobs(state, prep: Prepared, ids, lps, tops, offset: int = 0) -> dict:
+    tokens, offsets, top_out = [], [], []
+    for i, (t, lp) in enumerate(zip(ids, lps)):
+        s = state.token_str(t, prep.as_token_ids)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(state.token_str(t))
+        entry = {s: _lp(lp)}  # the sampled token first, then the top ``logprobs`` (vLLM's shape)
+        for tt, v in sorted((tops[i] if tops else {}).items(), key=lambda kv: -kv[1]):
+            entry.setdefault(state.token_str(tt, prep.as_token_ids), _lp(v))
+        top_out.append(entry)
+    return {"text_offset": offsets, "token_logprobs": [_lp(v) for v in lps], "tokens": tokens,
+            "top_logprobs": top_out}
+
+
+def _text(out, req) -> str:
+    text = out.text
+    if req.include_stop_str_in_output and isinstance(out.stop_reason, str):
+        text += out.stop_reason
+    return text
+
+
+def _check_errors(outs) -> None:
+    for out in outs:
+        if out.error:
+            raise APIError(f"generation failed: {out.error}", 500)
+
+
+def _parse(state, prep: Prepared, text: str):
+    if prep.prefix:
+        return parse_forced(prep.prefix, text, state.tool_parser, prep.tool_choice)
+    return parse_tool_calls(text, state.tool_parser, state.tokenizer, prep.prompt_text, prep.tools)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+
+
+def chat_response(state, req: ChatCompletionRequest, prep: Prepared, outs: list, rid: str) -> dict:
+    _check_errors(outs)
+    choices = []
+    for out in outs:
+        state.count_finished(out)
+        text = _text(out, req)
+        message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": [], "reasoning": None}
+        finish = out.finish_reason
+        if prep.parse_tools:
+            parsed = _parse(state, prep, out.text)
+            if parsed.calls:
+                message["content"] = parsed.content
+                message["tool_calls"] = parsed.openai_tool_calls()
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": out.sample_index, "message": message,
+                  "logprobs": None if prep.logprobs is None else _chat_logprobs(
+                      state, prep, out.output_ids, out.output_logprobs, out.top_logprobs),
+                  "finish_reason": finish, "stop_reason": out.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = out.output_ids
+        choices.append(choice)
+    prompt_ids = outs[0].prompt_ids
+    body = {"id": rid, "object": "chat.completion", "created": prep.created, "model": req.model or state.model_name,
+            "choices": choices, "usage": _usage(len(prompt_ids), sum(len(o.output_ids) for o in outs))}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def completion_response(state, req: CompletionRequest, prep: Prepared, results: list[list], rid: str) -> dict:
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for k, outs in enumerate(results):
+        _check_errors(outs)
+        prompt_tokens += len(outs[0].prompt_ids)
+        for out in outs:
+            state.count_finished(out)
+            completion_tokens += len(out.output_ids)
+            choice = {"index": k * prep.n + out.sample_index, "text": _text(out, req),
+                      "logprobs": None if prep.logprobs is None else _completion_logprobs(
+                          state, prep, out.output_ids, out.output_logprobs, out.top_logprobs),
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "prompt_logprobs": None}
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = out.prompt_ids
+                choice["token_ids"] = out.output_ids
+            choices.append(choice)
+    return {"id": rid, "object": "text_completion", "created": prep.created, "model": req.model or state.model_name,
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+# ====================================================================== streaming
+def _stop_hold(prep: Prepared) -> int:
+    """Characters to hold back while streaming: a stop string cut from the final text must not be sent."""
+    return max((len(x) for x in prep.requests[0].sampling.stop), default=1) - 1
+
+
+async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream: EngineStream, rid: str):
+    model = req.model or state.model_name
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    n = prep.n
+    hold = _stop_hold(prep)
+    guards = [StreamGuard(state.tool_parser if prep.parse_tools else None, hold) for _ in range(n)]
+    texts, ntoks = [""] * n, [0] * n
+    prompt_len = len(prep.prompt_ids[0])
+
+    def chunk(choices, usage=None, **extra):
+        body = {"id": rid, "object": "chat.completion.chunk", "created": prep.created, "model": model,
+                "choices": choices, **extra}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(n)]
+    extra = {"prompt_token_ids": prep.prompt_ids[0]} if req.return_token_ids else {}
+    yield chunk(first, _usage(prompt_len, 0) if continuous else None, **extra)
+    try:
+        async for _, d in stream.deltas():
+            i = d.sample_index
+            ntoks[i] += len(d.token_ids)
+            texts[i] += d.text
+            delta: dict = {}
+            finish = None
+            if d.finish_reason is None:
+                # A forced tool call: the whole output belongs to it until parsed at the end.
+                delta["content"] = "" if prep.prefix else guards[i].feed(texts[i])
+            else:
+                out = d.output
+                finish = d.finish_reason
+                state.count_finished(out)
+                prompt_len = len(out.prompt_ids)
+                parsed = _parse(state, prep, out.text) if prep.parse_tools else None
+                if prep.prefix:
+                    delta["content"] = (parsed.content or "") if parsed.calls else _text(out, req)
+                else:
+                    delta["content"] = guards[i].finish(parsed, _text(out, req))
+                if parsed is not None and parsed.calls:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(parsed.openai_tool_calls())]
+                    finish = "tool_calls" if finish == "stop" else finish
+                if out.error:
+                    yield _sse(error_body(f"generation failed: {out.error}", 500))
+            if not delta["content"] and len(delta) == 1 and finish is None and not d.token_ids:
+                continue
+            choice = {"index": i, "delta": delta,
+                      "logprobs": None if prep.logprobs is None else _chat_logprobs(
+                          state, prep, d.token_ids, d.logprobs, d.top_logprobs),
+                      "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = d.stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            yield chunk([choice], _usage(prompt_len, sum(ntoks)) if continuous else None)
+        if include_usage:
+            yield chunk([], _usage(prompt_len, sum(ntoks)))
+    except Exception as e:  # headers are sent: report in-band, as vLLM does
+        yield _sse(error_body(str(e), 400 if isinstance(e, (InvalidRequestError, APIError)) else 500))
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_events(state, req: CompletionRequest, prep: Prepared, stream: EngineStream, rid: str):
+    model = req.model or state.model_name
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    n = prep.n
+    total = len(prep.requests) * n
+    sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
+    guards = [StreamGuard(None, _stop_hold(prep)) for _ in range(total)]
+    texts = [""] * total
+    prompt_tokens = sum(len(p) for p in prep.prompt_ids)
+
+    def usage():
+        return _usage(prompt_tokens, sum(ntoks))
+
+    try:
+        async for k, d in stream.deltas():
+            idx = k * n + d.sample_index
+            ntoks[idx] += len(d.token_ids)
+            texts[idx] += d.text
+            text = guards[idx].feed(texts[idx]) if d.finish_reason is None else \
+                guards[idx].finish(None, _text(d.output, req))
+            choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
+                      "stop_reason": d.stop_reason}
+            if prep.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(state, prep, d.token_ids, d.logprobs, d.top_logprobs,
+                                                          offsets[idx])
+                offsets[idx] += sum(len(state.token_str(t)) for t in d.token_ids)
+            if req.return_token_ids:
+                if not sent_prompt[idx]:
+                    choice["prompt_token_ids"] = prep.prompt_ids[k]
+                    sent_prompt[idx] = True
+                choice["token_ids"] = d.token_ids
+            if d.finish_reason is not None:
+                state.count_finished(d.output)
+                if d.output.error:
+                    yield _sse(error_body(f"generation failed: {d.output.error}", 500))
+            body = {"id": rid, "object": "text_completion", "created": prep.created, "model": model,
+                    "choices": [choice]}
+            if continuous:
+                body["usage"] = usage()
+            yield _sse(body)
+        if include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": prep.created, "model": model,
+                        "choices": [], "usage": usage()})
+    except Exception as e:
+        yield _sse(error_body(str(e), 400 if isinstance(e, (InvalidRequestError, APIError)) else 500))
+    yield "data: [DONE]\n\n"
+
+
+# ====================================================================== endpoints
+def _engine_error(e: InvalidRequestError, prep: Prepared) -> APIError:
+    """The engine refused a request at submission: a 400 naming the request's field."""
+    param = prep.prompt_param if e.field in ("input_ids", "images", "messages") else _PARAM.get(e.field, e.field)
+    return APIError(str(e), param=param)
+
+
+async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) -> Response:
+    state.counters[("requests", "chat")] += 1
+    if req.stream_options and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    await state.wait_gate()
+    prep = await prepare_chat(state, req)
+    rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+    state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
+    try:
+        if req.stream:
+            stream = EngineStream(state.engine, prep.requests)
+            return StreamingResponse(_chat_events(state, req, prep, stream, rid), media_type="text/event-stream",
+                                     background=BackgroundTask(stream.close))
+        (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise _engine_error(e, prep) from None
+    return JSONResponse(chat_response(state, req, prep, outs, rid))
+
+
+async def completions(state: ServerState, req: CompletionRequest, raw) -> Response:
+    state.counters[("requests", "completions")] += 1
+    if req.stream_options and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    await state.wait_gate()
+    prep = prepare_completion(state, req)
+    rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+    state.counters["prompt_tokens"] += sum(len(p) for p in prep.prompt_ids)
+    try:
+        if req.stream:
+            stream = EngineStream(state.engine, prep.requests)
+            return StreamingResponse(_completion_events(state, req, prep, stream, rid),
+                                     media_type="text/event-stream", background=BackgroundTask(stream.close))
+        results = await run_until_disconnect(state.engine, prep.requests, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise _engine_error(e, prep) from None
+    return JSONResponse(completion_response(state, req, prep, results, rid))

@@ -1,0 +1,149 @@
+"""Images in chat messages: resolve ``image_url`` parts to PIL images under the server's media policy.
+
+``data:`` URLs are always accepted. Local files (``file://`` URLs or absolute paths) only under
+``allowed_local_media_path``; remote ``http(s)`` URLs only when ``allow_remote_images`` is on. Every
+refusal is a 400 naming the part (``messages[0].content[1].image_url``).
+
+Example::
+
+    policy = MediaPolicy(max_images=4)
+    messages, images = await policy.resolve_messages(messages)   # parts become {"type": "image"}
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import io
+import os
+import urllib.parse
+from dataclasses import dataclass
+
+from .protocol import APIError
+
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+@dataclass
+class MediaPolicy:
+    allowed_local_media_path: str | None = None
+    allow_remote_images: bool = False
+    max_images: int = 16
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 << 20
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.allowed_local_media_path is not None:
+            self.allowed_local_media_path = os.path.realpath(self.allowed_local_media_path)
+
+    async def resolve_messages(self, messages: list[dict], accept_images: bool = True) -> tuple[list[dict], list]:
+        """Copy ``messages`` with image parts replaced by ``{"type": "image"}``; return them and the images.
+
+        ``accept_images=False`` (a text-only model): any image part is a 400.
+        """
+        out, images = [], []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            m = copy.copy(m)
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in IMAGE_PART_TYPES:
+                    where = f"messages[{i}].content[{j}].{kind}"
+                    if not accept_images:
+                        raise APIError(f"{where}: this model takes no images", param=where)
+                    src = part.get(kind) if kind != "input_image" else part.get("image_url")
+                    url = src.get("url") if isinstance(src, dict) else src
+                    if not isinstance(url, str) or not url:
+                        raise APIError(f"{where}: expected an image URL string or {{\"url\": ...}}", param=where)
+                    if len(images) >= self.max_images:
+                        raise APIError(f"At most {self.max_images} image(s) may be given in one request.",
+                                       param="messages")
+                    images.append(await self.load(url, where))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            m["content"] = parts
+            out.append(m)
+        return out, images
+
+    async def load(self, url: str, where: str):
+        """A PIL RGB image from a data URL, an allowed local file or (when enabled) an http(s) URL."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
+        if scheme == "data":
+            data = _decode_data_url(url, where)
+        elif scheme in ("http", "https"):
+            if not self.allow_remote_images:
+                raise APIError(f"{where}: remote image URLs are disabled on this server (start it with "
+                               "--allow-remote-images); send the image as a data: URL", param=where)
+            data = await self._fetch(url, where)
+        elif scheme == "file" or url.startswith("/"):
+            data = self._read_local(url, where)
+        else:
+            raise APIError(f"{where}: unsupported image URL {url[:40]!r}; use a data: URL, file:// path or "
+                           "http(s) URL", param=where)
+        if len(data) > self.max_image_bytes:
+            raise APIError(f"{where}: image of {len(data)} bytes exceeds the limit of {self.max_image_bytes}",
+                           param=where)
+        return self._decode(data, where)
+
+    def _read_local(self, url: str, where: str) -> bytes:
+        if self.allowed_local_media_path is None:
+            raise APIError(f"{where}: local image paths are disabled on this server (start it with "
+                           "--allowed-local-media-path DIR)", param=where)
+        path = urllib.parse.unquote(urllib.parse.urlparse(url).path) if url.startswith("file:") else url
+        real = os.path.realpath(path)
+        root = self.allowed_local_media_path
+        if os.path.commonpath([real, root]) != root:
+            raise APIError(f"{where}: {path!r} is outside the allowed media directory", param=where)
+        if not os.path.isfile(real):
+            raise APIError(f"{where}: no such image file {path!r}", param=where)
+        with open(real, "rb") as f:
+            return f.read(self.max_image_bytes + 1)
+
+    async def _fetch(self, url: str, where: str) -> bytes:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=self.fetch_timeout_s, follow_redirects=True) as client:
+                async with client.stream("GET", url) as r:
+                    r.raise_for_status()
+                    buf = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        buf += chunk
+                        if len(buf) > self.max_image_bytes:
+                            break
+                    return bytes(buf)
+        except httpx.HTTPError as e:
+            raise APIError(f"{where}: cannot fetch image: {type(e).__name__}: {e}", param=where) from None
+
+    def _decode(self, data: bytes, where: str):
+        from PIL import Image
+
+        try:
+            img = Image.open(io.BytesIO(data))  # reads the header only
+        except Exception as e:
+            raise APIError(f"{where}: cannot decode image ({type(e).__name__})", param=where) from None
+        if img.width * img.height > self.max_image_pixels:
+            raise APIError(f"{where}: image of {img.width}x{img.height} pixels exceeds the limit of "
+                           f"{self.max_image_pixels} pixels", param=where)
+        try:
+            img.load()
+        except Exception as e:
+            raise APIError(f"{where}: cannot decode image ({type(e).__name__}: {e})", param=where) from None
+        return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _decode_data_url(url: str, where: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise APIError(f"{where}: a data URL must look like data:image/png;base64,<data>", param=where)
+    try:
+        return base64.b64decode(payload.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(f"{where}: invalid base64 data in the image data URL", param=where) from None

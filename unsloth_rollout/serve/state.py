@@ -1,0 +1,164 @@
+"""ServerState: what every endpoint shares (the engine, names, limits, counters) and engine I/O helpers.
+
+``EngineStream`` and ``run_until_disconnect`` submit to the engine *before* any response byte is
+sent, so invalid input is a 400 and not a broken stream, and both abort the engine request (freeing
+its KV) when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+from .media import MediaPolicy
+from .protocol import APIError
+from .tools import pick_parser
+
+
+@dataclass
+class ServerOptions:
+    """Server settings; ``create_app`` takes them as keyword arguments."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["unsloth-rollout"])
+    model_path: str | None = None
+    api_key: str | None = None
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    max_n: int = 64
+    max_body_bytes: int = 32 << 20
+    tool_call_parser: str = "auto"
+    default_sampling: dict = field(default_factory=dict)
+    owns_engine: bool = False  # shut the engine down with the app
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class ServerState:
+    def __init__(self, engine, options: ServerOptions):
+        self.engine = engine
+        self.options = options
+        self.tokenizer = engine.tokenizer
+        self.media = options.media
+        self.tool_parser = pick_parser(self.tokenizer, options.tool_call_parser)
+        self.counters: collections.Counter = collections.Counter()
+        self.start_time = int(time.time())
+        self.sleeping = False
+        self._token_strs: dict[int, str] = {}
+        self._gate: asyncio.Event | None = None  # cleared by /pause?mode=wait: new requests wait
+
+    @property
+    def model_name(self) -> str:
+        return self.options.served_model_names[0]
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects (None: the served policy); 404 when unknown."""
+        if not name or name in self.options.served_model_names or name == self.options.model_path:
+            return None
+        if name in self.engine.lora_adapters:
+            return name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model")
+
+    def token_str(self, token_id: int, as_ids: bool = False) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    @property
+    def gate(self) -> asyncio.Event:
+        if self._gate is None:
+            self._gate = asyncio.Event()
+            self._gate.set()
+        return self._gate
+
+    async def wait_gate(self) -> None:
+        if not self.gate.is_set():
+            await self.gate.wait()
+
+    def count_finished(self, out) -> None:
+        self.counters["generation_tokens"] += len(out.output_ids)
+        self.counters[("finished", out.finish_reason or "unknown")] += 1
+
+
+class EngineStream:
+    """Submit requests now (errors raise here); iterate ``(request_index, StreamDelta)`` later.
+
+    Leaving the iteration early (client disconnect, error) aborts whatever is still running.
+    """
+
+    def __init__(self, engine, requests: list):
+        loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.futures: list[tuple[str, concurrent.futures.Future]] = []
+        try:
+            for k, req in enumerate(requests):
+                fut = engine.submit(req, on_delta=lambda d, k=k: loop.call_soon_threadsafe(self.queue.put_nowait,
+                                                                                          (k, d)))
+                # Queued after the last delta: both are put from the engine thread, in order.
+                fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(self.queue.put_nowait, (k, None)))
+                self.futures.append((req.request_id, fut))
+        except BaseException:
+            self.close()
+            raise
+
+    async def deltas(self):
+        remaining = len(self.futures)
+        try:
+            while remaining:
+                k, d = await self.queue.get()
+                if d is None:
+                    remaining -= 1
+                    exc = self.futures[k][1].exception()
+                    if exc is not None:
+                        raise exc
+                    continue
+                yield k, d
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for rid, fut in self.futures:
+            if not fut.done():
+                self.engine.abort(rid)
+
+
+async def _wait_disconnect(raw_request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(engine, requests: list, raw_request) -> list[list]:
+    """Submit ``requests`` and wait for all outputs; abort them all if the client disconnects first."""
+    futures = []
+    try:
+        for req in requests:
+            futures.append((req.request_id, engine.submit(req)))
+    except BaseException:
+        for rid, f in futures:
+            engine.abort(rid)
+        raise
+    waiter = asyncio.ensure_future(asyncio.gather(*[asyncio.wrap_future(f) for _, f in futures]))
+    watcher = asyncio.ensure_future(_wait_disconnect(raw_request))
+    finished = False
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finished = waiter in done
+    finally:
+        watcher.cancel()
+        if not finished:  # the client left (or the server is cancelling us): free the engine's work
+            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # aborted outputs: not needed
+            for rid, f in futures:
+                if not f.done():
+                    engine.abort(rid)
+    if not finished:
+        raise ClientDisconnected()
+    return waiter.result()

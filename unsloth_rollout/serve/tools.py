@@ -1,0 +1,204 @@
+"""Tool-call parsing: model text -> OpenAI ``tool_calls``.
+
+Three parsers, picked once per server (``pick_parser``):
+  - ``"transformers"``: the tokenizer's own ``response_template`` through ``tokenizer.parse_response``,
+    when the tokenizer defines one (the model's authors said how to read its output);
+  - ``"hermes"``: Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+  - ``"llama3_json"``: Llama-3 JSON, ``{"name": ..., "parameters": {...}}`` (several joined by ``;``).
+
+``StreamGuard`` holds back streamed text that may still turn into a tool call or be cut by a stop string.
+
+Example::
+
+    >>> parse_tool_calls('<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>', "hermes")
+    ToolParse(content=None, calls=[('f', '{"x": 1}')])
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+PARSERS = ("auto", "hermes", "llama3_json", "transformers")
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ToolParse:
+    """Parsed assistant output: the text outside the calls (None when empty) and (name, arguments-json) pairs."""
+
+    content: str | None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"ToolParse(content={self.content!r}, calls={self.calls!r})"
+
+    def openai_tool_calls(self) -> list[dict]:
+        return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": args}} for name, args in self.calls]
+
+
+def pick_parser(tokenizer, requested: str = "auto") -> str:
+    """Which parser a server uses: the tokenizer's response_template first, else by the chat template."""
+    if requested not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {PARSERS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response"):
+        return "transformers"
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template)
+    if HERMES_START in template:
+        return "hermes"
+    if _PYTHON_TAG in template or '"parameters"' in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def _args_json(args) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _call_from(obj) -> tuple[str, str] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], _args_json(args if args is not None else {})
+
+
+def parse_hermes(text: str) -> ToolParse:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return ToolParse(text or None)
+    calls = []
+    for body in _HERMES_RE.findall(text[start:]):
+        try:
+            call = _call_from(json.loads(body))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:  # vLLM's rule: one bad call and the whole output is plain content
+            return ToolParse(text or None)
+        calls.append(call)
+    return ToolParse(text[:start] or None, calls)
+
+
+def parse_llama3_json(text: str) -> ToolParse:
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return ToolParse(text or None)
+    dec, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, end = dec.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return ToolParse(text or None)
+        call = _call_from(obj)
+        if call is None:
+            return ToolParse(text or None)
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return ToolParse(None, calls)
+
+
+def parse_transformers(text: str, tokenizer, prompt_text: str = "", tools=None) -> ToolParse:
+    parsed = tokenizer.parse_response(text, prefix=prompt_text, tools=tools)
+    calls = []
+    for tc in parsed.get("tool_calls") or []:
+        fn = tc.get("function", tc) if isinstance(tc, dict) else {}
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            calls.append((fn["name"], _args_json(fn.get("arguments", {}))))
+    content = parsed.get("content")
+    return ToolParse(content if content else None, calls)
+
+
+def parse_tool_calls(text: str, parser: str, tokenizer=None, prompt_text: str = "", tools=None) -> ToolParse:
+    """Parse ``text`` with ``parser`` ("hermes" | "llama3_json" | "transformers"); never raises."""
+    if parser == "transformers" and tokenizer is not None:
+        try:
+            return parse_transformers(text, tokenizer, prompt_text, tools)
+        except Exception:  # a template that cannot read this output: fall back to the text formats
+            parser = "hermes" if HERMES_START in text else "llama3_json"
+    if parser == "llama3_json":
+        return parse_llama3_json(text)
+    return parse_hermes(text)
+
+
+def forced_prefix(parser: str, tool_choice, tools: list[dict]) -> str:
+    """Assistant text forced before generation so that ``required`` / a named function yields a call.
+
+    vLLM enforces these choices with guided decoding; without it, forcing the call's opening is the
+    closest equivalent (the model still writes the arguments).
+    """
+    name = None
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+    elif tool_choice == "required" and len(tools) == 1:
+        name = tools[0]["function"]["name"]
+    if parser == "llama3_json":
+        return f'{{"name": "{name}", "parameters": ' if name else '{"name": "'
+    return f'{HERMES_START}\n{{"name": "{name}", "arguments": ' if name else f'{HERMES_START}\n{{"name": "'
+
+
+def parse_forced(prefix: str, text: str, parser: str, tool_choice) -> ToolParse:
+    """Parse prefix + generated text; for a named function, keep the call even if its arguments are not JSON."""
+    result = parse_tool_calls(prefix + text, parser)
+    if result.calls or not isinstance(tool_choice, dict):
+        return result
+    args = text.split(HERMES_END, 1)[0].rstrip()
+    if args.endswith("}"):
+        args = args[:-1].rstrip()  # the closing brace of {"name": ..., "arguments": ...}
+    return ToolParse(None, [(tool_choice["function"]["name"], args)])
+
+
+class StreamGuard:
+    """Holds back streamed text that may still change: a possible tool call, or a possible stop string.
+
+    ``feed(full_text)`` returns the new text that is safe to send now. At the end, ``finish(parse, text)``
+    returns what is still owed: the parsed content (or the final text) past what was sent. ``parser``
+    None: no tool calls expected; ``hold_chars``: the longest stop string minus one (a stop string cut
+    from the final text must never have been sent).
+    """
+
+    def __init__(self, parser: str | None, hold_chars: int = 0):
+        self.parser = parser
+        self.hold = max(0, hold_chars)
+        self.sent = 0
+
+    def _safe_end(self, text: str) -> int:
+        end = len(text) - self.hold
+        if self.parser is None:
+            return end
+        if self.parser == "llama3_json" or self.parser == "transformers":
+            stripped = text.lstrip()
+            if not stripped or stripped[0] in "{<":
+                return 0  # may be a JSON call: wait for the end
+            return end
+        i = text.find(HERMES_START)
+        if i >= 0:
+            return min(i, end)
+        for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):  # a partial "<tool_call>" at the tail
+            if HERMES_START.startswith(text[-k:]):
+                return min(len(text) - k, end)
+        return end
+
+    def feed(self, text: str) -> str:
+        end = self._safe_end(text)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+    def finish(self, parsed: ToolParse | None, text: str) -> str:
+        content = parsed.content if parsed is not None and parsed.calls else text
+        content = content or ""
+        return content[self.sent:] if len(content) > self.sent else ""
