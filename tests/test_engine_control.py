@@ -39,6 +39,7 @@ def wait_for(cond, timeout=60):
 
 @pytest.fixture
 def policy(qwen2_dir):
+    torch.manual_seed(0)  # LoRA A init draws from the global RNG
     p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
     perturb_lora(p.model, std=0.3)
     return p
@@ -197,4 +198,32 @@ def test_offload_and_onload(policy):
     assert not fut.done()
     engine.onload()
     assert fut.result(timeout=60)[0].output_ids == first[0]
+    engine.shutdown()
+
+
+def test_stream_rejects_bad_input_before_iteration_and_holds_back_stop_text(policy):
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    from unsloth_rollout import InvalidRequestError
+
+    async def bad():
+        engine.stream(GenerationRequest(input_ids=[10**8], sampling=SamplingParams()))
+
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(bad())
+    r = reqs(policy, 30)[3]
+    full = engine.generate([r])[0]
+    text = full.text
+    start = next(i for i in range(len(text) // 3, len(text) - 2)
+                 if text[i:i + 2] not in text[:i + 1] and "\ufffd" not in text[i:i + 2])
+    cut = text[start:start + 2]
+
+    async def consume():
+        return [d async for d in engine.stream(GenerationRequest(input_ids=r.input_ids, sampling=SamplingParams(
+            max_new_tokens=30, temperature=0, stop=[cut])))]
+
+    deltas = asyncio.run(consume())
+    final = deltas[-1].output
+    assert final.finish_reason == "stop" and final.stop_reason == cut
+    assert final.text == full.text[: full.text.index(cut)]
+    assert "".join(d.text for d in deltas) == final.text
     engine.shutdown()

@@ -335,30 +335,28 @@ class RolloutEngine:
             raise
         return outs[0] if request.sampling.n == 1 else outs
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        """Yield StreamDelta pieces as tokens are produced; the last one per sample has finish_reason.
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """Submit now and return an async iterator of StreamDelta pieces (the last one per sample has
+        finish_reason). Call it from a running event loop; invalid input raises here, before iteration.
 
         Leaving the iteration early (a client disconnect) aborts the request.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut = self.submit(request, on_delta=lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+        # Queued after the last delta: both are put from the engine thread, in order.
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, None))
+        return self._iterate(request.request_id, fut, queue)
+
+    async def _iterate(self, request_id: str, fut: concurrent.futures.Future, queue: asyncio.Queue):
         try:
-            while True:
-                d = await queue.get()
-                if d is None:
-                    if fut.exception() is not None:
-                        raise fut.exception()
-                    while not queue.empty():
-                        d = queue.get_nowait()
-                        if d is not None:
-                            yield d
-                    return
+            while (d := await queue.get()) is not None:
                 yield d
+            if fut.exception() is not None:
+                raise fut.exception()
         finally:
             if not fut.done():
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     # ================================================================== engine thread
     def _ensure_thread(self) -> None:
@@ -580,8 +578,10 @@ class RolloutEngine:
         if pend.on_delta is not None:
             start = pend.emitted[i]
             text = s.text if finished else self._decode_text(s)
-            if not finished and text.endswith("\ufffd"):
-                text = text[: pend.emitted_text[i]] if len(text) < pend.emitted_text[i] else text.rstrip("\ufffd")
+            if not finished:
+                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its last byte
+                if s.sampling.stop:  # hold back what a stop string still being matched could cut
+                    text = text[: max(0, len(text) - max(map(len, s.sampling.stop)) + 1)]
             new_text = text[pend.emitted_text[i]:] if len(text) >= pend.emitted_text[i] else ""
             if finished or len(s.output_ids) > start:
                 delta = StreamDelta(
