@@ -1,0 +1,180 @@
+"""Where AReaL calls in: the ``unsloth`` backend for ``PPOTrainer``, without editing AReaL's files.
+
+``install()`` does two things, both idempotent:
+
+1. adds ``"unsloth"`` to the inference backends of AReaL's allocation grammar, so
+   ``rollout.backend: "unsloth:d1"`` (and ``actor.backend: "unsloth:d1"``) parse;
+2. wraps five ``PPOTrainer`` methods so that, when ``rollout.backend`` is unsloth, the trainer builds
+   an ``UnslothPPOActor`` (the ColocatedTrainEngine) and ``UnslothInferenceEngine``s on one shared
+   PolicyModel in this process: no scheduler, no RPC workers, no server, LoRA allowed, no offload.
+
+Any other backend takes AReaL's own code path (and gets AReaL's own errors).
+``patches/areal-1.0.4-unsloth-backend.patch`` makes the same change in AReaL's source; both call the
+``create_*`` functions below.
+
+Example::
+
+    from unsloth_rollout.areal import install
+    install()
+    trainer = PPOTrainer(config, train_dataset=ds)   # config.rollout.backend == "unsloth:d1"
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from copy import deepcopy
+
+from ._spec import BACKEND_NAME, is_unsloth_backend
+
+_GRAMMAR_OLD = 'INFER_BACKEND: "sglang" | "vllm"'
+_GRAMMAR_NEW = 'INFER_BACKEND: "sglang" | "vllm" | "unsloth"'
+_TRAIN_BACKENDS = ("unsloth", "fsdp")
+_lock = threading.Lock()
+
+
+# ============================================================================ engine builders (also used by the patch)
+def _unsloth_config(trainer):
+    from .config import UnslothConfig
+
+    cfg = getattr(trainer.config, "unsloth", None)
+    return cfg if cfg is not None else UnslothConfig()
+
+
+def uses_unsloth(trainer) -> bool:
+    """True when this PPOTrainer's ``rollout.backend`` names the unsloth backend."""
+    return is_unsloth_backend(getattr(trainer.config.rollout, "backend", None))
+
+
+def create_train_engine(trainer, actor_config, alloc):
+    """The actor (or KL reference) for an unsloth PPOTrainer: an UnslothPPOActor on the shared model."""
+    from .train_engine import UnslothPPOActor
+
+    if alloc.backend not in _TRAIN_BACKENDS:
+        raise ValueError(f"actor.backend: with rollout.backend 'unsloth:...' the actor trains the rollout's own "
+                         f"model in this process; use 'unsloth:d1' (or 'fsdp:d1'), got {alloc.backend!r}")
+    ucfg = _unsloth_config(trainer)
+    is_ref = actor_config is trainer.config.ref and getattr(trainer, "actor", None) is not None
+    if is_ref:
+        engine = UnslothPPOActor(actor_config, reference=True, load_options=ucfg.load_options(),
+                                 share_with=trainer.actor)
+    else:
+        engine = UnslothPPOActor(actor_config, load_options=ucfg.load_options())
+    engine.create_process_group(parallel_strategy=alloc.parallel)
+    return engine
+
+
+def create_rollout(trainer, rollout_config, is_eval: bool = False):
+    """An UnslothInferenceEngine on the actor's PolicyModel; the eval engine shares the training
+    engine's RolloutEngine (one model, one KV cache) with its own staleness-free executor."""
+    from .inference_engine import UnslothInferenceEngine
+
+    config = deepcopy(rollout_config)
+    if is_eval:
+        config.max_head_offpolicyness = int(1e12)  # as AReaL: eval has no off-policyness control
+    shared = None
+    if is_eval and isinstance(getattr(trainer, "rollout", None), UnslothInferenceEngine):
+        shared = trainer.rollout.rollout_engine
+    ucfg = _unsloth_config(trainer)
+    opts = {} if shared is not None else ucfg.engine_options()
+    seed = ucfg.seed if ucfg.seed is not None else getattr(trainer.config, "seed", None)
+    engine = UnslothInferenceEngine(config, trainer.actor.policy, rollout_engine=shared, seed=seed, **opts)
+    engine.initialize(train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
+    return engine
+
+
+def validate_config(trainer) -> None:
+    """Checks specific to the unsloth backend (AReaL's own _validate_cfg runs too)."""
+    if trainer.config.critic is not None:
+        raise ValueError("critic: the unsloth backend trains actor-only algorithms (GRPO, DAPO, ...); "
+                         "set critic to null")
+    if trainer.actor_alloc.backend not in _TRAIN_BACKENDS:
+        raise ValueError(f"actor.backend: use 'unsloth:d1' with rollout.backend 'unsloth:...', "
+                         f"got {trainer.config.actor.backend!r}")
+    for role, alloc in (("actor", trainer.actor_alloc), ("rollout", trainer.rollout_alloc)):
+        if alloc.parallel.dp_size != 1 or alloc.parallel.tp_size != 1 or alloc.parallel.pp_size != 1:
+            raise ValueError(f"{role}.backend: the unsloth backend runs one model on one device per process "
+                             f"(d1); got {getattr(trainer.config, role).backend!r}")
+
+
+# ============================================================================ install
+def _patch_grammar() -> None:
+    from areal.api import alloc_mode
+
+    if '"unsloth"' in alloc_mode.ALLOCATION_GRAMMAR:
+        return
+    if _GRAMMAR_OLD not in alloc_mode.ALLOCATION_GRAMMAR:
+        raise RuntimeError("install(): AReaL's allocation grammar changed (INFER_BACKEND not found); "
+                           "this areal version is not supported")
+    # A new Lark parser is built from this module global on every parse, so replacing it is enough.
+    alloc_mode.ALLOCATION_GRAMMAR = alloc_mode.ALLOCATION_GRAMMAR.replace(_GRAMMAR_OLD, _GRAMMAR_NEW)
+
+
+def _wrap(cls, name: str, make):
+    original = getattr(cls, name)
+    if getattr(original, "_unsloth_wrapped", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._unsloth_wrapped = True
+    setattr(cls, name, wrapped)
+
+
+def _patch_trainer() -> None:
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    def init_scheduler(orig):
+        def f(self):
+            return None if uses_unsloth(self) else orig(self)
+        return f
+
+    def create_train(orig):
+        def f(self, actor_config, alloc):
+            return create_train_engine(self, actor_config, alloc) if uses_unsloth(self) else orig(
+                self, actor_config, alloc)
+        return f
+
+    def init_rollout(orig):
+        def f(self, rollout_config, is_eval=False, lora_path=None):
+            if uses_unsloth(self):
+                return create_rollout(self, rollout_config, is_eval=is_eval)
+            return orig(self, rollout_config, is_eval=is_eval, lora_path=lora_path)
+        return f
+
+    def save_initial_lora(orig):
+        def f(self):
+            return None if uses_unsloth(self) else orig(self)  # nothing to preload: the engine shares the model
+        return f
+
+    def validate(orig):
+        def f(self):
+            orig(self)
+            if uses_unsloth(self):
+                validate_config(self)
+        return f
+
+    _wrap(PPOTrainer, "_init_scheduler", init_scheduler)
+    _wrap(PPOTrainer, "_create_train_engine", create_train)
+    _wrap(PPOTrainer, "_init_rollout", init_rollout)
+    _wrap(PPOTrainer, "_save_initial_lora_weights", save_initial_lora)
+    _wrap(PPOTrainer, "_validate_cfg", validate)
+
+
+def _patched_source() -> bool:
+    """True when AReaL's files already carry patches/areal-1.0.4-unsloth-backend.patch."""
+    from areal.trainer import rl_trainer
+
+    return getattr(rl_trainer, "UNSLOTH_BACKEND_PATCHED", False)
+
+
+def install() -> None:
+    """Make AReaL accept ``backend: "unsloth:d1"`` and PPOTrainer build the colocated engines (idempotent)."""
+    with _lock:
+        _patch_grammar()
+        if not _patched_source():
+            _patch_trainer()
+
+
+def is_installed() -> bool:
+    from areal.api import alloc_mode
+
+    return f'"{BACKEND_NAME}"' in alloc_mode.ALLOCATION_GRAMMAR
