@@ -507,15 +507,16 @@ class RolloutEngine:
             logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
                                         [s.rope_delta for s in seqs], [s.block_table for s in seqs],
                                         [s.lora_name for s in seqs])
-        except Exception as e:
+            for s in seqs:
+                s.num_cached += 1
+            self._stats["decode_tokens"] += len(seqs)
+            return self._sample_and_advance(seqs, logits, version)
+        except Exception as e:  # fail this batch, never leave it stuck in the running list
             logger.exception("unsloth_rollout: decode step failed")
             for s in seqs:
-                self._finish(s, "abort", error=f"decode failed: {type(e).__name__}: {e}")
+                if not s.finished:
+                    self._finish(s, "abort", error=f"decode failed: {type(e).__name__}: {e}")
             return 0
-        for s in seqs:
-            s.num_cached += 1
-        self._stats["decode_tokens"] += len(seqs)
-        return self._sample_and_advance(seqs, logits, version)
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, version: int) -> int:
         res = self.sampler(logits, seqs)

@@ -22,6 +22,9 @@ from .config import InvalidRequestError
 from .request import GenerationRequest
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# Formats PIL may decode from a request. Without a list PIL tries every plugin it has, EPS included, whose
+# load() runs Ghostscript on the client's PostScript: a program from the request, evaluated.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 @dataclass
@@ -62,18 +65,31 @@ def load_image(obj: Any, field: str = "images"):
                 data = _b64(s, field)
         else:
             raise InvalidRequestError(field, f"{field}: unsupported image type {type(obj).__name__}")
-        try:
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise InvalidRequestError(field, f"{field}: image of {img.width}x{img.height} pixels is too large")
-            img.load()
-        except InvalidRequestError:
-            raise
-        except Exception as e:  # PIL raises many types for corrupt data
-            raise InvalidRequestError(field, f"{field}: cannot decode image ({type(e).__name__}: {e})") from None
+        img = decode_image(data, field)
     if img.mode != "RGB":
         img = img.convert("RGB")
     return img
+
+
+def decode_image(data: bytes, field: str = "images", max_pixels: int = MAX_IMAGE_PIXELS):
+    """PIL image from encoded bytes, in one of IMAGE_FORMATS and at most ``max_pixels``; errors name the field."""
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+    except Image.DecompressionBombError:  # PIL's own ceiling (a header claiming ~10^8+ pixels)
+        raise InvalidRequestError(field, f"{field}: image exceeds the limit of {max_pixels} pixels") from None
+    except Exception as e:
+        raise InvalidRequestError(field, f"{field}: cannot decode image ({type(e).__name__}); supported "
+                                         f"formats: {', '.join(IMAGE_FORMATS)}") from None
+    if img.width * img.height > max_pixels:
+        raise InvalidRequestError(field, f"{field}: image of {img.width}x{img.height} pixels exceeds the limit of "
+                                         f"{max_pixels} pixels")
+    try:
+        img.load()
+    except Exception as e:
+        raise InvalidRequestError(field, f"{field}: cannot decode image ({type(e).__name__}: {e})") from None
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _b64(s: str, field: str) -> bytes:

@@ -119,9 +119,11 @@ class CacheView:
         vc.index_copy_(0, self.write_slots, value_states.transpose(1, 2).reshape(b * q, h, d).to(vc.dtype))
         if self.gather_index is None:
             return key_states, value_states
-        idx = self.gather_index  # [B, L]
-        keys = kc[idx].permute(0, 2, 1, 3)  # [B, H, L, D]
-        values = vc[idx].permute(0, 2, 1, 3)
+        # index_select on the flat index: several times faster on CPU than advanced indexing kc[idx].
+        flat = self.gather_index.view(-1)
+        bl = self.gather_index.shape
+        keys = kc.index_select(0, flat).view(*bl, h, d).permute(0, 2, 1, 3)  # [B, H, L, D]
+        values = vc.index_select(0, flat).view(*bl, h, d).permute(0, 2, 1, 3)
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

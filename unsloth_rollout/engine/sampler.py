@@ -91,7 +91,8 @@ class Sampler:
         x = proc / temps
         top_k = [s.sampling.top_k for s in seqs]
         if any(k > 0 for k in top_k):
-            kk = torch.tensor([k if k > 0 else x.shape[1] for k in top_k], device=dev)
+            # min(): a top_k above the vocabulary keeps every token (and one above int64 no longer overflows)
+            kk = torch.tensor([min(k, x.shape[1]) if k > 0 else x.shape[1] for k in top_k], device=dev)
             kth = x.sort(dim=-1, descending=True).values.gather(1, (kk - 1).clamp(max=x.shape[1] - 1).unsqueeze(1))
             x = x.masked_fill(x < kth, float("-inf"))
         probs = torch.softmax(x, dim=-1)

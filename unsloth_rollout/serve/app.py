@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 
 from fastapi import FastAPI, Query, Request
@@ -164,6 +165,11 @@ class _Guard:
             more = message.get("more_body", False)
             if len(body) > limit:
                 return await _send_json(send, 413, error_body(f"Request body exceeds {limit} bytes", 413))
+        where = _lone_surrogate(body)
+        if where is not None:
+            self.state.counters[("errors", 400)] += 1
+            return await _send_json(send, 400, error_body(
+                f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text", 400, where))
         if headers.get(b"content-type", b"").startswith(b"application/x-www-form-urlencoded") \
                 and body.lstrip()[:1] in (b"{", b"["):  # curl -d without -H: it is JSON all the same
             scope = dict(scope, headers=[(k, b"application/json" if k == b"content-type" else v)
@@ -178,6 +184,42 @@ class _Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+# A JSON escape of a UTF-16 surrogate ("\\ud800"), or its raw CESU-8 bytes (json.loads reads bytes with
+# "surrogatepass"). Paired ones are fine; a lone one is not text: it broke the tokenizer and UTF-8 encoding
+# of any error message that quoted it (a 500). Checked here, once, for every endpoint.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """Where a JSON ``body`` holds a string with a lone surrogate (``"messages[0].content"``), else None."""
+    if not _SURROGATE.search(body):
+        return None
+    try:
+        stack = [("body", json.loads(body))]
+    except (ValueError, RecursionError):
+        return None  # not JSON: the endpoint answers 400 itself
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if not _is_text(k):
+                    return path
+                stack.append((k if path == "body" else f"{path}.{k}", v))
+        elif isinstance(obj, list):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        elif isinstance(obj, str) and not _is_text(obj):
+            return path
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -285,10 +327,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if req.prompt is not None:
             ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         else:
+            kwargs = comp.template_kwargs(req.chat_template_kwargs)
             messages, images = await state.media.resolve_messages(comp._normalize_messages(req.messages),
                                                                   accept_images=engine.policy.is_vlm)
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            kwargs = dict(req.chat_template_kwargs or {})
             if req.continue_final_message:
                 kwargs["continue_final_message"] = True
             try:

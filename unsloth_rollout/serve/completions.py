@@ -23,6 +23,24 @@ from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
 # Engine field -> request field, for the ``param`` of a 400.
 _PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "lora_name": "model"}
 
+# chat_template_kwargs go to apply_chat_template. These keys would change what runs, not what the template
+# sees: above all "chat_template", a request's own Jinja template evaluated on the server (a nested loop
+# blocked the event loop for a minute; vLLM also refuses request templates by default), then tokenize /
+# return_* / conversation / tools, which the server sets itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "conversation", "tools", "tokenize", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs", "processor_kwargs",
+    "load_audio_from_video"})
+
+
+def template_kwargs(chat_template_kwargs: dict | None) -> dict:
+    """A copy of a request's ``chat_template_kwargs``; a 400 when it sets a key the server owns."""
+    kwargs = dict(chat_template_kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if bad:
+        raise APIError(f"chat_template_kwargs may not set {bad[0]!r} on this server", param="chat_template_kwargs")
+    return kwargs
+
 
 @dataclass
 class Prepared:
@@ -172,9 +190,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if choice == "required" and not tools:
         raise APIError("tool_choice 'required' needs tools", param="tool_choice")
 
+    kwargs = template_kwargs(req.chat_template_kwargs)
     messages = _normalize_messages(req.messages)
     messages, images = await state.media.resolve_messages(messages, accept_images=engine.policy.is_vlm)
-    kwargs = dict(req.chat_template_kwargs or {})
     add_generation_prompt = req.add_generation_prompt is not False
     if req.continue_final_message:
         if add_generation_prompt and "add_generation_prompt" not in (req.model_fields_set or ()):

@@ -20,9 +20,12 @@ import os
 import urllib.parse
 from dataclasses import dataclass
 
+from ..engine.config import InvalidRequestError
+from ..engine.inputs import decode_image
 from .protocol import APIError
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
 
 
 @dataclass
@@ -123,20 +126,10 @@ class MediaPolicy:
             raise APIError(f"{where}: cannot fetch image: {type(e).__name__}: {e}", param=where) from None
 
     def _decode(self, data: bytes, where: str):
-        from PIL import Image
-
         try:
-            img = Image.open(io.BytesIO(data))  # reads the header only
-        except Exception as e:
-            raise APIError(f"{where}: cannot decode image ({type(e).__name__})", param=where) from None
-        if img.width * img.height > self.max_image_pixels:
-            raise APIError(f"{where}: image of {img.width}x{img.height} pixels exceeds the limit of "
-                           f"{self.max_image_pixels} pixels", param=where)
-        try:
-            img.load()
-        except Exception as e:
-            raise APIError(f"{where}: cannot decode image ({type(e).__name__}: {e})", param=where) from None
-        return img if img.mode == "RGB" else img.convert("RGB")
+            return decode_image(data, where, self.max_image_pixels)
+        except InvalidRequestError as e:
+            raise APIError(str(e), param=where) from None
 
 
 def _decode_data_url(url: str, where: str) -> bytes:

@@ -40,7 +40,8 @@ def error_body(message: str, status: int, param: str | None = None, type: str | 
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # JSON has no Infinity / NaN, but Python's parser accepts them: refuse them as numbers.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Base):

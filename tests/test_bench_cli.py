@@ -1,0 +1,118 @@
+"""`python -m unsloth_rollout.bench`: a tiny end-to-end run, its JSON schema, and the engine's logprob drift
+against a teacher-forced forward (the oracle) staying <= 1e-5."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RESULT_KEYS = {
+    "backend": str, "output_tokens_per_s": float, "prompt_tokens_per_s": float, "ttft_p50_s": float,
+    "ttft_p99_s": float, "peak_memory_bytes": int, "ratio_vs_engine": float,
+}
+
+
+def _run_cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_rollout.bench", *args, "--json", str(out), "--markdown",
+         str(tmp_path / "bench.md"), "--plot", str(tmp_path / "bench.png"), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    proc, report = _run_cli(tmp, "--model", "tiny-lm", "--prompts", "2", "--group", "3", "--max-new-tokens", "6",
+                            "--ignore-eos", "--drift-samples", "3", "--hf-sequential-max", "2",
+                            "--backends", "engine,hf-sequential,hf-batched,transformers-cb,vllm,sglang")
+    return tmp, proc, report
+
+
+def test_cli_json_schema(text_run):
+    _, _, report = text_run
+    assert {"machine", "workload", "results", "skipped"} <= set(report)
+    for key in ("cpu", "cores", "torch", "transformers", "device"):
+        assert report["machine"][key] is not None, key
+    wl = report["workload"]
+    assert (wl["kind"], wl["prompts"], wl["group"], wl["requests"], wl["max_new_tokens"]) == ("grpo", 2, 3, 6, 6)
+    assert [r["backend"] for r in report["results"]] == ["engine", "hf-sequential", "hf-batched", "transformers-cb"]
+    for row in report["results"]:
+        for key, typ in RESULT_KEYS.items():
+            assert isinstance(row[key], typ), (row["backend"], key, row[key])
+        assert row["output_tokens_per_s"] > 0 and row["prompt_tokens_per_s"] > 0
+        assert 0 <= row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert "logprob_drift" in row
+    assert report["results"][0]["ratio_vs_engine"] == pytest.approx(1.0)
+    skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
+    assert set(skipped) == {"vllm", "sglang"}
+    assert all(reason for reason in skipped.values())
+
+
+def test_cli_counts_the_tokens_requested(text_run):
+    """With --ignore-eos every sample runs to its own budget: the oracle is the workload's budgets."""
+    _, _, report = text_run
+    wl = report["workload"]
+    expected = round(wl["sample_budget_mean"] * wl["requests"])
+    rows = {r["backend"]: r for r in report["results"]}
+    for name in ("engine", "hf-batched", "transformers-cb"):
+        assert rows[name]["requests_run"] == wl["requests"]
+        assert rows[name]["output_tokens"] == expected, name
+    assert rows["hf-sequential"]["requests_run"] == 2
+
+
+def test_cli_engine_logprob_drift(text_run):
+    _, _, report = text_run
+    rows = {r["backend"]: r for r in report["results"]}
+    assert rows["engine"]["drift_samples_checked"] == 3
+    assert rows["engine"]["logprob_drift"] <= 1e-5
+    # HF baselines return raw logits (output_logits) and CB its logprobs: also checked, looser (padding, kernels).
+    for name in ("hf-sequential", "hf-batched", "transformers-cb"):
+        assert rows[name]["logprob_drift"] is not None and rows[name]["logprob_drift"] <= 1e-4, name
+
+
+def test_cli_writes_table_and_plot(text_run):
+    tmp, proc, report = text_run
+    md = (tmp / "bench.md").read_text()
+    for row in report["results"]:
+        assert f"| {row['backend']} |" in md
+        assert f"| {row['backend']} |" in proc.stdout
+    assert "vllm: vllm is not installed" in md or "vllm: vllm needs a CUDA GPU" in md
+    assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "unsloth_rollout.bench", "--model", "tiny-lm", "--backends",
+                           "engine,nope", "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 2
+    assert "--backends" in proc.stderr and "nope" in proc.stderr
+
+
+def test_vlm_run_in_process():
+    """Tiny VLM with vision + language LoRA: engine drift <= 1e-5 with pixel_values in the teacher-forced forward;
+    transformers continuous batching is skipped with its reason."""
+    from unsloth_rollout.bench import run_bench
+
+    report = run_bench("tiny-vlm", prompts=2, group=2, max_new_tokens=5, backends=["engine", "hf-batched",
+                                                                                   "transformers-cb"],
+                       drift_samples=4, progress=False)
+    rows = {r["backend"]: r for r in report["results"]}
+    assert set(rows) == {"engine", "hf-batched"}
+    assert report["workload"]["images"] == 2
+    assert rows["engine"]["drift_samples_checked"] == 4
+    assert rows["engine"]["logprob_drift"] <= 1e-5
+    assert "vision + language" in rows["engine"]["lora"]
+    skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
+    assert "text-only" in skipped["transformers-cb"]

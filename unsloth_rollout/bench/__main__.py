@@ -1,0 +1,110 @@
+"""CLI: ``python -m unsloth_rollout.bench [--model ...] [--workload ...] [--backends ...] [--json OUT] ...``
+
+With no arguments: the offline ``small`` Qwen2.5-VL with a perturbed LoRA (r=16), a GRPO workload,
+every backend that can run here; the table goes to stdout, progress bars to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+
+from .backends import BACKENDS
+from .harness import MODELS
+from .workloads import SHAPES, WORKLOADS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m unsloth_rollout.bench",
+        description="Throughput, TTFT, peak memory and logprob drift of the rollout engine next to HF generate, "
+                    "transformers continuous batching, vLLM and SGLang, on identical seeded requests.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="small-vlm", help=f"one of {', '.join(MODELS)}, or a model folder")
+    p.add_argument("--workload", default="grpo", choices=WORKLOADS)
+    g = SHAPES["grpo"]
+    p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")
+    p.add_argument("--group", type=int, default=None, help=f"samples per prompt (grpo default {g.group})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help="comma-separated; those that cannot run here are listed with the reason")
+    p.add_argument("--lora", type=int, default=16, help="LoRA rank (random, non-zero B); 0 = no LoRA")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: float32 on CPU, bfloat16 on GPUs that have it)")
+    p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (LoRA in --dtype)")
+    p.add_argument("--policy-backend", default="transformers", choices=["transformers", "unsloth", "auto"],
+                   help="how load_model builds the policy every backend shares")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (outputs run to their budget)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="the engine's KV cache budget")
+    p.add_argument("--hf-sequential-max", type=int, default=24,
+                   help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
+    p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
+    p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the backends round-robin N times and keep each one's fastest run (noisy machines)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+    p.add_argument("--markdown", dest="markdown_out", default=None, metavar="OUT")
+    p.add_argument("--plot", dest="plot_out", default=None, metavar="OUT.png")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from .harness import run_bench
+    from .report import markdown, plot
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"--threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        report = run_bench(
+            model=args.model, workload=args.workload, prompts=args.prompts, group=args.group,
+            max_new_tokens=args.max_new_tokens, backends=[b.strip() for b in args.backends.split(",") if b.strip()],
+            lora=args.lora, seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            kv_cache_gib=args.kv_cache_gib, hf_sequential_max=args.hf_sequential_max,
+            hf_batch_groups=args.hf_batch_groups, drift_samples=args.drift_samples, repeats=args.repeats,
+            policy_backend=args.policy_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+            progress=not args.no_progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = markdown(report)
+    print(table)
+    if args.json_out:
+        _write(args.json_out, json.dumps(report, indent=2) + "\n")
+    if args.markdown_out:
+        _write(args.markdown_out, table)
+    if args.plot_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot_out)), exist_ok=True)
+        plot(report, args.plot_out)
+    return 0 if report["results"] else 1
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
