@@ -88,8 +88,9 @@ def test_greedy_parity_batched_and_staggered(model_dirs, arch, lora):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprob_parity_with_batching_and_group_sharing(model_dirs, arch, temperature):
+    torch.manual_seed(0)  # LoRA A init draws from the global RNG: the same model whatever ran before
     policy = build(model_dirs[arch], lora=True)
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20), seed=0)
     reqs = make_requests(policy, 6, 16)
     group_reqs = []
     for i, r in enumerate(reqs):
@@ -98,7 +99,12 @@ def test_logprob_parity_with_batching_and_group_sharing(model_dirs, arch, temper
         # AReaL-style group: identical prompts sent as separate concurrent requests.
         group_reqs.append(GenerationRequest(input_ids=r.input_ids, messages=r.messages, images=r.images,
                                             sampling=SamplingParams(max_new_tokens=16, temperature=temperature)))
-    outs = engine.generate(group_reqs)
+    # fp32 results depend (at the 1e-6 level) on which rows share a decode step; admit everything in one step
+    # so the check is reproducible rather than timing-dependent.
+    engine.pause()
+    futs = [engine.submit(r) for r in group_reqs]
+    engine.resume()
+    outs = [o for f in futs for o in f.result(timeout=120)]
     stats = engine.stats()
     engine.shutdown()
     assert stats["prefills"] == len(reqs), "identical prompts must be prefilled once"
