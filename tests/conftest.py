@@ -69,21 +69,7 @@ def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pix
               "mm_token_type_ids": mm_token_type_ids(full, policy.config)}
     policy.clear_rope_deltas()
     with torch.no_grad():
-        logits = policy.model(input_ids=full, **kw).logits[0, len(prompt_ids) - 1:-1]
-    if logits.dtype != torch.float64:
-        logits = logits.float()
+        logits = policy.model(input_ids=full, **kw).logits[0, len(prompt_ids) - 1:-1].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1), logits
 
-
-def float64_copy(policy):
-    """The same weights in float64: a teacher-forced oracle whose own rounding error is negligible.
-
-    An fp32 forward of these random models is itself ~5e-6 off the exact logprobs, as far as the engine is;
-    measuring both against fp32 would add the two errors."""
-    import copy
-
-    from unsloth_rollout import PolicyModel
-
-    return PolicyModel(model=copy.deepcopy(policy.model).double(), tokenizer=policy.tokenizer,
-                       processor=policy.processor, is_vlm=policy.is_vlm)

@@ -37,7 +37,7 @@ ARCHES = ("qwen2", "qwen2_vl", "qwen2_5_vl")
 SIZES = ("tiny", "small", "1.5b", "3b", "7b")  # the last three: real dimensions, for GPU benchmarks
 
 # Bump when the files a build writes change, so stale cache entries are not reused.
-_FORMAT_VERSION = "v1"
+_FORMAT_VERSION = "v2"  # bump whenever builds change, so stale caches are never reused
 # Written last: its presence means the folder is complete.
 _MARKER = "unsloth_rollout_tiny.json"
 
@@ -240,7 +240,7 @@ def tiny_model_path(arch: str, size: str = "tiny", seed: int = 0) -> pathlib.Pat
     Example::
 
         >>> tiny_model_path("qwen2").name
-        'qwen2-tiny-s0-v1'
+        'qwen2-tiny-s0-v2'
     """
     return build_tiny_model(arch, size, out=None, seed=seed)
 
