@@ -45,7 +45,7 @@ def _setup(arch: str, **actor_kw):
     policy = load_model(str(tiny_model_path(arch)), backend="transformers", lora={"r": 8, "random_state": 0})
     rollout = UnslothInferenceEngine(InferenceEngineConfig(backend="unsloth:d1", consumer_batch_size=4,
                                                            max_head_offpolicyness=int(1e10)),
-                                     policy, kv_cache_memory_bytes=16 << 20, max_model_len=512)
+                                     policy, kv_cache_memory_bytes=16 << 20, max_model_len=512, seed=0)
     rollout.initialize()
     actor = UnslothPPOActor(_actor_config(**actor_kw), policy)
     actor.initialize(ft_spec=FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=4))
@@ -242,7 +242,7 @@ def test_process_memory_does_not_grow_by_a_model_copy():
                         lora={"r": 8, "random_state": 0})
     rollout = UnslothInferenceEngine(InferenceEngineConfig(backend="unsloth:d1", consumer_batch_size=2,
                                                            max_head_offpolicyness=int(1e10)),
-                                     policy, kv_cache_memory_bytes=32 << 20, max_model_len=512)
+                                     policy, kv_cache_memory_bytes=32 << 20, max_model_len=512, seed=0)
     rollout.initialize()
     actor = UnslothPPOActor(_actor_config(ppo_n_minibatches=1), policy)
     actor.initialize()

@@ -27,10 +27,10 @@ def chat_messages(i: int, n_images: int):
     return [{"role": "user", "content": parts}]
 
 
-def build(path, lora):
+def build(path, lora, std=0.5):
     policy = load_model(path, backend="transformers", lora={"r": 8} if lora else None)
     if lora:
-        assert perturb_lora(policy.model) > 0
+        assert perturb_lora(policy.model, std=std) > 0
     return policy
 
 
@@ -89,7 +89,9 @@ def test_greedy_parity_batched_and_staggered(model_dirs, arch, lora):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprob_parity_with_batching_and_group_sharing(model_dirs, arch, temperature):
     torch.manual_seed(0)  # LoRA A init draws from the global RNG: the same model whatever ran before
-    policy = build(model_dirs[arch], lora=True)
+    # A LoRA delta of the order training produces (std 0.5 doubles the activations and, with them, the fp32 noise
+    # of both the engine and the oracle to ~1e-5).
+    policy = build(model_dirs[arch], lora=True, std=0.2)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20), seed=0)
     reqs = make_requests(policy, 6, 16)
     group_reqs = []
