@@ -170,6 +170,17 @@ def check_kv_returned(base: str) -> dict:
     return {"kv_blocks_total": int(total), "kv_blocks_free": int(free)}
 
 
+def add_stream_event(res: dict, event: dict) -> None:
+    """Fold one SSE chunk (chat or completion) into ``res``: prompt ids, token ids and logprobs."""
+    res["prompt_ids"] = res["prompt_ids"] or event.get("prompt_token_ids")
+    for ch in event["choices"]:
+        res["prompt_ids"] = res["prompt_ids"] or ch.get("prompt_token_ids")
+        res["output_ids"] += ch.get("token_ids") or []
+        lp = ch.get("logprobs")
+        if lp:  # chat chunks carry logprobs.content, completion chunks token_logprobs
+            res["logprobs"] += [x["logprob"] for x in lp["content"]] if "content" in lp else lp["token_logprobs"]
+
+
 def percentile(values, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 

@@ -25,8 +25,8 @@ pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, check_kv_returned, data_url,  # noqa: E402
-                                  metrics, png_bytes, wait_idle, write_figures)
+from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_event,  # noqa: E402
+                                  check_kv_returned, data_url, metrics, png_bytes, wait_idle, write_figures)
 
 from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
 
@@ -164,14 +164,8 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict, timeout=120.0,
             if "error" in e:
                 res["error_events"].append(e["error"])
                 continue
-            res["prompt_ids"] = res["prompt_ids"] or e.get("prompt_token_ids")
+            add_stream_event(res, e)
             for ch in e["choices"]:
-                res["prompt_ids"] = res["prompt_ids"] or ch.get("prompt_token_ids")
-                res["output_ids"] += ch.get("token_ids") or []
-                lp = ch.get("logprobs")
-                if lp:
-                    res["logprobs"] += [x["logprob"] for x in lp["content"]] if "content" in lp \
-                        else lp["token_logprobs"]
                 res["finish"] = ch.get("finish_reason") or res["finish"]
             n += 1
             if read_chunks is not None and n >= read_chunks:

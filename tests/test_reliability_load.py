@@ -19,8 +19,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 
-from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, check_kv_returned, data_url,  # noqa: E402
-                                  errors_by_status, metrics, percentile, png_bytes, write_figures)
+from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_event,  # noqa: E402
+                                  check_kv_returned, data_url, errors_by_status, metrics, percentile, png_bytes,
+                                  write_figures)
 
 from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
 
@@ -115,14 +116,7 @@ async def _one(client: httpx.AsyncClient, c: int, r: int) -> dict:
                 if len(finishes) != 1:
                     raise AssertionError(f"{len(finishes)} finish chunks")
                 for e in events:
-                    res["prompt_ids"] = res["prompt_ids"] or e.get("prompt_token_ids")
-                    for ch in e["choices"]:
-                        res["prompt_ids"] = res["prompt_ids"] or ch.get("prompt_token_ids")
-                        res["output_ids"] += ch.get("token_ids") or []
-                        lp = ch.get("logprobs")
-                        if lp:
-                            res["logprobs"] += ([x["logprob"] for x in lp["content"]] if kind == "chat_stream"
-                                                else lp["token_logprobs"])
+                    add_stream_event(res, e)
                 _check_choice(res, finishes[0], len(res["output_ids"]), body["max_tokens"], events[-1]["usage"])
             else:
                 res["error"] = "\n".join(lines)[:300]
