@@ -104,7 +104,6 @@ class RolloutEngine:
                                    self.config.prefix_cache)
         self._version = 0
         self.lora_adapters: dict[str, str] = {}
-        self._base_default = False
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._abort_ids: set[str] = set()
@@ -214,7 +213,7 @@ class RolloutEngine:
 
                 model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
                 self.policy.model = model
-                self._base_default = True
+                self.runner.base_default = True  # unnamed requests keep using the plain model
             else:
                 active = model.active_adapter
                 try:
@@ -223,7 +222,6 @@ class RolloutEngine:
                     raise InvalidRequestError("lora_path", f"cannot load adapter from {path!r}: {e}") from None
                 model.set_adapter(active)
             self.lora_adapters[name] = path
-            self.runner.base_default = self._base_default
             self.scheduler.drop_prefix()
 
     def unload_lora_adapter(self, name: str) -> None:
@@ -233,11 +231,11 @@ class RolloutEngine:
             for s in list(self.scheduler.running) + list(self.scheduler.waiting):
                 if s.lora_name == name:
                     self._finish(s, "abort", error=f"adapter {name!r} was unloaded")
-            if self._base_default and set(self.lora_adapters) == {name}:
+            if self.runner.base_default and set(self.lora_adapters) == {name}:
                 # The policy had no adapter of its own and this was the last served one: PEFT cannot run
                 # with zero adapters, so take the LoRA layers out and serve the plain model again.
                 self.policy.model = self.policy.model.unload()
-                self._base_default = self.runner.base_default = False
+                self.runner.base_default = False
             else:
                 self.policy.model.delete_adapter(name)
             del self.lora_adapters[name]

@@ -23,7 +23,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, sample_index: int, prompt: PreparedPrompt, sampling: SamplingParams,
-                 on_event: Callable[["Sequence", int, bool], None] | None = None, lora_name: str | None = None):
+                 on_event: Callable[["Sequence", bool], None] | None = None, lora_name: str | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.sample_index = sample_index
