@@ -10,15 +10,15 @@ Importing this package imports neither areal, fastapi nor unsloth.
 
 import logging as _logging
 
-from .engine import (EngineConfig, GenerationOutput, GenerationRequest, InvalidRequestError, RequestRejected,
+from .engine import (CacheBypassError, EngineConfig, ModelNotServableError, GenerationOutput, GenerationRequest, InvalidRequestError, RequestRejected,
                      RolloutEngine, SamplingParams, StreamDelta)
-from .models import PolicyModel, load_model
+from .models import PolicyModel, UnsupportedModelError, load_model, supported_families
 
 __version__ = "0.1.0"
 
 _logging.getLogger("unsloth_rollout").addHandler(_logging.NullHandler())
 
 __all__ = [
-    "EngineConfig", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "PolicyModel",
+    "CacheBypassError", "ModelNotServableError", "UnsupportedModelError", "supported_families", "EngineConfig", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "PolicyModel",
     "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "load_model", "__version__",
 ]

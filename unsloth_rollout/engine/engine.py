@@ -29,6 +29,7 @@ import torch
 
 from .config import EngineConfig, InvalidRequestError, SamplingParams
 from .inputs import InputPreparer
+from .attention import ModelNotServableError
 from .kv_cache import KVCache
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 from .runner import ModelRunner, _text_dims
@@ -97,6 +98,8 @@ class RolloutEngine:
         self.max_model_len = min(self.config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
         self.runner = ModelRunner(policy, self.kv, self.config.decode_compile, self.config.compile_mode)
+        self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
+        self._fatal: ModelNotServableError | None = None
         self.eos_ids = self._eos_ids()
         suppress = self.inputs.vision_token_ids() if (policy.is_vlm and self.config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
@@ -281,6 +284,8 @@ class RolloutEngine:
         """
         if self._stopped:
             raise EngineStopped("the engine is shut down")
+        if self._fatal is not None:
+            raise self._fatal
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if req.request_id in self._pending:
             raise InvalidRequestError("request_id", f"request_id {req.request_id!r} is already in flight")
@@ -493,6 +498,9 @@ class RolloutEngine:
             if not ready:
                 return 0
             return self._sample_and_advance(ready, entry.logits.unsqueeze(0).expand(len(ready), -1), version)
+        except ModelNotServableError as e:
+            self._refuse_model(e)
+            return 0
         except Exception as e:
             logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
             for s in group:
@@ -509,6 +517,9 @@ class RolloutEngine:
                 s.num_cached += 1
             self._stats["decode_tokens"] += len(seqs)
             return self._sample_and_advance(seqs, logits, version)
+        except ModelNotServableError as e:
+            self._refuse_model(e)
+            return 0
         except Exception as e:  # fail this batch, never leave it stuck in the running list
             logger.exception("unsloth_rollout: decode step failed")
             for s in seqs:
@@ -550,6 +561,20 @@ class RolloutEngine:
 
     def _decode_text(self, s: Sequence) -> str:
         return self.tokenizer.decode(s.output_ids, skip_special_tokens=s.sampling.skip_special_tokens)
+
+    def _refuse_model(self, e: ModelNotServableError) -> None:
+        """The model cannot be served exactly (e.g. its attention bypassed the cache): nothing it produced
+        is returned; every request in flight and every later submit fails with the named error."""
+        logger.error("unsloth_rollout: %s", e)
+        self._fatal = e
+        with self._cond:
+            pending, self._pending = list(self._pending.values()), {}
+        for s in list(self.scheduler.waiting) + list(self.scheduler.running):
+            s.on_event = None
+            self._finish(s, "abort", error=str(e))
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(e)
 
     def _finish(self, s: Sequence, reason: str, stop=None, error: str | None = None) -> None:
         sch = self.scheduler

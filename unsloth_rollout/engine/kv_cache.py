@@ -106,13 +106,20 @@ class CacheView:
     is_sliding = [False]
 
     def __init__(self, cache: KVCache, write_slots: torch.Tensor, gather_index: torch.Tensor | None = None,
-                 seq_length: int = 0):
+                 seq_length: int = 0, ctx=None):
         self.cache = cache
+        self.ctx = ctx  # attention.ForwardContext: records that each layer wrote through this view
         self.write_slots = write_slots
         self.gather_index = gather_index
         self._seq_length = seq_length
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self._update(key_states, value_states, layer_idx)
+        if self.ctx is not None:
+            self.ctx.record_write(layer_idx, keys)
+        return keys, values
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         b, h, q, d = key_states.shape
         kc.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * q, h, d).to(kc.dtype))

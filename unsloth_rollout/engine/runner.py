@@ -1,9 +1,10 @@
 """ModelRunner: one batched forward of the policy with the engine-owned KV cache.
 
 The model is only asked for ``forward()``. Positions are given explicitly per row (M-RoPE
-positions for Qwen-VL: text position + the row's rope delta in all three sections), and the
-attention mask is passed as a ready ``{"full_attention": mask}`` mapping, which HF decoders use
-as is. ``decode_forward`` has fixed-rank inputs so a compiled variant can replace it.
+positions for Qwen-VL: text position + the row's rope delta in all three sections). Masks are not
+the model's business: each forward carries a ``ForwardContext`` that the engine's attention function
+(attention.py) builds every layer's mask from, and that checks every layer used the engine's cache.
+``_static_decode`` has fixed-rank inputs so a compiled variant can replace the eager decode.
 """
 
 from __future__ import annotations
@@ -13,27 +14,9 @@ import inspect
 import numpy as np
 import torch
 
+from ..models.families import check_supported
+from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .kv_cache import CacheView, KVCache
-
-ATTN_NAME = "unsloth_rollout_sdpa"
-
-
-def engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     **kwargs):
-    """SDPA with native grouped-query attention: HF's sdpa path repeats K/V per head whenever a mask is
-    given (a full copy of the gathered cache every layer and step); ``enable_gqa`` reads them as they are."""
-    causal = attention_mask is None and query.shape[2] > 1
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, engine_attention)
-
 
 def _text_dims(cfg) -> tuple[int, int, int]:
     layers = cfg.num_hidden_layers
@@ -62,9 +45,13 @@ class ModelRunner:
         self.video_token_id = getattr(cfg, "video_token_id", None)
         self._rope_index = self._find_rope_index() if self.mrope else None
         self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
-        _register_attention()
-        # The decoder's config; its attention implementation is switched to the engine's during engine forwards.
+        check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
+        register()
+        # The decoder's config; its attention implementation is switched to the engine's during engine forwards,
+        # whose arithmetic follows the implementation the model was configured with (as in training).
         self._text_config = policy.text_config
+        self._inner = inner_implementation(getattr(self._text_config, "_attn_implementation", None))
+        self.num_layers = _text_dims(self._text_config)[0]
         self.compile_decode = compile_decode
         self._compiled = None
         if compile_decode:
@@ -99,18 +86,22 @@ class ModelRunner:
         return pos, int(delta.view(-1)[0])
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, input_ids, position_ids, mask, view, adapters=None, **mm):
-        mapping = {"full_attention": mask, "sliding_attention": mask}
+    def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, **mm):
         if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
             mm["adapter_names"] = adapters
+        ctx.inner = self._inner
         cfg = self._text_config
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
+        set_current(ctx)
         try:
-            out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mapping,
-                                    past_key_values=view, use_cache=True, logits_to_keep=1, **mm)
+            out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                    past_key_values=view, use_cache=True, logits_to_keep=1, **{CTX_KWARG: ctx},
+                                    **mm)
         finally:
             cfg._attn_implementation_internal = saved
+            set_current(None)
+        ctx.verify(self.policy.model, self.num_layers)
         return out.logits[:, -1, :]
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
@@ -133,17 +124,18 @@ class ModelRunner:
                       "image_grid_thw": image_grid_thw.to(self.device)}
         else:
             position_ids = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0)
-        logits = self._forward(input_ids, position_ids, None, view, self.adapter_names([adapter]), **mm)
+        ctx = ForwardContext.prefill(len(ids), self.device)
+        view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
+        logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
     def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
-               adapters: list[str | None] | None = None):
+               adapters: list[str | None] | None = None, eager: bool = False):
         """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
         bs = self.kv.block_size
         n_rows = len(tokens)
         names = self.adapter_names(adapters or [None] * n_rows)
-        static = self._compiled is not None and names is None
+        static = self._compiled is not None and names is None and not eager
         b = _bucket(n_rows) if static else n_rows
         lmax = _bucket(max(lengths) + 1, 64) if static else max(lengths) + 1
         if static and b > n_rows:  # padded rows: one scratch slot, attended to and overwritten
@@ -161,17 +153,33 @@ class ModelRunner:
         gather_t = torch.from_numpy(gather).to(dev)
         write_t = torch.from_numpy(write).to(dev)
         lens_t = torch.tensor(lengths, device=dev)
-        mask = (torch.arange(lmax, device=dev).unsqueeze(0) <= lens_t.unsqueeze(1)).view(b, 1, 1, lmax)
         pos = lens_t.view(b, 1)
         if self.mrope:
             pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
         input_ids = torch.tensor(tokens, device=dev).view(b, 1)
         if static:
-            return self._compiled(input_ids, pos, mask, write_t, gather_t)[:n_rows]
-        view = CacheView(self.kv, write_t, gather_t, lmax)
-        return self._forward(input_ids, pos, mask, view, names)
+            return self._compiled(input_ids, pos, lens_t, write_t, gather_t)[:n_rows]
+        ctx = ForwardContext.decode(lens_t, lmax)
+        view = CacheView(self.kv, write_t, gather_t, lmax, ctx)
+        return self._forward(input_ids, pos, ctx, view, names)
 
-    def _static_decode(self, input_ids, position_ids, mask, write_slots, gather_index) -> torch.Tensor:
+    def probe(self) -> None:
+        """A two-token prefill and a one-token decode into a free block, run the way ``step()`` runs them:
+        a model whose attention bypasses the engine's cache (or computes what the engine cannot) raises
+        here, when the engine is built, before any request is served."""
+        blocks = self.kv.allocate(1)
+        if blocks is None:
+            return
+        try:
+            with self.policy.lock, torch.inference_mode(), self.policy.inference():
+                slots = self.kv.slots(blocks, 0, 3)
+                self.prefill([0, 0], slots[:2])
+                self.decode([0], [2], [0], [blocks], eager=True)
+        finally:
+            self.kv.free(blocks)
+
+    def _static_decode(self, input_ids, position_ids, lengths, write_slots, gather_index) -> torch.Tensor:
         """The fixed-shape decode step (bucketed batch and length) that torch.compile captures."""
-        view = CacheView(self.kv, write_slots, gather_index, gather_index.shape[1])
-        return self._forward(input_ids, position_ids, mask, view)
+        ctx = ForwardContext.decode(lengths, gather_index.shape[1], check=False)
+        view = CacheView(self.kv, write_slots, gather_index, gather_index.shape[1], ctx)
+        return self._forward(input_ids, position_ids, ctx, view)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .families import UnsupportedModelError, check_supported  # noqa: F401  (re-exported)
 from .policy import VLM_MODEL_TYPES, PolicyModel
 from .processor import load_processor
 
@@ -26,7 +27,7 @@ BACKENDS = ("auto", "unsloth", "transformers")
 
 # Unsloth's get_peft_model vocabulary: which projection names count as attention or MLP.
 _ATTN_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj", "out_proj", "qkv_proj"}
-_MLP_NAMES = {"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "w1", "w2", "w3"}
+_MLP_NAMES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
 _VISION_MARKERS = ("visual", "vision_tower", "vision_model", "image_encoder")
 _LORA_KEYS = {
     "r", "lora_alpha", "lora_dropout", "target_modules", "finetune_vision_layers", "finetune_language_layers",
@@ -158,6 +159,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
+    allow_unverified_family: bool = False,
 ) -> PolicyModel:
     """Load a policy for rollout and training.
 
@@ -176,11 +178,15 @@ def load_model(
         lora: Unsloth ``get_peft_model`` options (r, lora_alpha, lora_dropout, target_modules,
             finetune_vision_layers, finetune_language_layers, finetune_attention_modules,
             finetune_mlp_modules) or a ``peft.LoraConfig``. Vision-tower LoRA is on by default for VLMs.
+        attn_implementation: the model's attention ("sdpa" or "eager"); the engine reproduces its arithmetic.
+        allow_unverified_family: load a family the engine has not verified (see ``models/families.py``)
+            instead of raising ``UnsupportedModelError``.
     """
     if isinstance(path_or_model, PolicyModel):
         return path_or_model
     if isinstance(path_or_model, torch.nn.Module):
-        policy = PolicyModel.wrap(path_or_model, tokenizer, processor)
+        policy = PolicyModel.wrap(path_or_model, tokenizer, processor,
+                                  allow_unverified_family=allow_unverified_family)
         if lora is not None:
             policy.model = _apply_peft(policy.model, lora)
         return policy
@@ -192,6 +198,7 @@ def load_model(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
+    check_supported(config, allow_unverified_family)
     is_vlm = getattr(config, "model_type", "") in VLM_MODEL_TYPES or hasattr(config, "vision_config")
     chosen, reason = resolve_backend(backend, is_vlm)
     logger.info("unsloth_rollout: backend=%s (%s)", chosen, reason)
@@ -203,6 +210,7 @@ def load_model(
                                     device, attn_implementation)
     policy.max_seq_length = max_seq_length
     policy.name_or_path = path
+    policy.allow_unverified_family = allow_unverified_family
     policy.inference()
     return policy
 

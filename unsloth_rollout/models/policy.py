@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .families import check_supported
+
 logger = logging.getLogger("unsloth_rollout")
 
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -83,10 +85,13 @@ class PolicyModel:
     gradient_checkpointing: bool = False
     max_seq_length: int | None = None
     name_or_path: str | None = None
+    # Serve a model family the engine has not verified (models/families.py); the cache-use guard still applies.
+    allow_unverified_family: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod
-    def wrap(cls, model, tokenizer, processor=None, backend: str | None = None) -> "PolicyModel":
+    def wrap(cls, model, tokenizer, processor=None, backend: str | None = None,
+             allow_unverified_family: bool = False) -> "PolicyModel":
         """Wrap a model a user already built (with Unsloth or transformers + PEFT).
 
         Example::
@@ -104,8 +109,9 @@ class PolicyModel:
         config = _unwrap(model).config
         is_vlm = getattr(config, "model_type", "") in VLM_MODEL_TYPES or hasattr(config, "vision_config")
         gc = bool(getattr(_unwrap(model), "is_gradient_checkpointing", False))
+        check_supported(config, allow_unverified_family)
         return cls(model=model, tokenizer=tokenizer, processor=processor, backend=backend, is_vlm=is_vlm,
-                   gradient_checkpointing=gc)
+                   gradient_checkpointing=gc, allow_unverified_family=allow_unverified_family)
 
     # ----------------------------------------------------------------------------- properties
     @property

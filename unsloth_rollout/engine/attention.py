@@ -1,0 +1,201 @@
+"""The engine's attention: masks from the engine's own bookkeeping, arithmetic from the model's.
+
+transformers builds attention masks inside each decoder, and for an attention name it does not know
+it builds none at all (``masking_utils._preprocess_mask_arguments``: "we don't need a mask"); only
+some decoders accept a ready mask mapping. So the engine never trusts the mask a model passes. For
+every engine forward the runner describes the batch in a ``ForwardContext`` (query and key positions
+per row, which keys are real, image blocks that attend bidirectionally), and the engine's attention
+function builds each layer's mask from it and from the layer's ``sliding_window`` (the argument every
+transformers decoder passes to its attention function). The arithmetic itself (scaling, logit
+soft-capping, grouped-query heads) is the model's configured implementation: SDPA, or the modeling
+file's own ``eager_attention_forward`` — what the trainer's forward runs.
+
+Every forward also proves the model used the engine's cache: each decoder layer must write through
+the ``CacheView`` exactly once and attend over exactly the keys the view returned. A model that
+bypasses it (a patched fast path such as Unsloth's text ``CausalLM_fast_forward`` on CUDA, or remote
+code with its own attention) raises ``CacheBypassError`` at its first forward; nothing it produced is
+returned.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+ATTN_NAME = "unsloth_rollout_attention"
+CTX_KWARG = "unsloth_rollout_ctx"
+
+# Attention-function arguments that change the arithmetic in ways the engine does not reproduce.
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
+
+
+class ModelNotServableError(RuntimeError):
+    """The engine cannot run this model exactly; it stops serving it rather than return wrong tokens."""
+
+
+class CacheBypassError(ModelNotServableError):
+    """The model's attention did not read and write the engine's KV cache: its output would be wrong."""
+
+
+class UnsupportedAttentionError(ModelNotServableError):
+    """The model's attention computes something the engine cannot reproduce exactly."""
+
+
+@dataclass
+class ForwardContext:
+    """What the attention function needs to know about one engine forward.
+
+    ``q_pos``: [B, Q] position of each query token. ``k_pos``: [B or 1, K] position of each key the
+    cache view returns; ``k_valid``: [B, K] whether that key is real (padded rows attend to nothing
+    past their length). ``block``: optional [B, K] image-block id per key position (-1: text) for
+    families whose image tokens attend bidirectionally within one image (Gemma 3); in prefill the
+    queries are the keys, so the same ids serve both.
+    """
+
+    kind: str
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    k_valid: torch.Tensor | None
+    block: torch.Tensor | None = None
+    causal_fast_path: bool = False  # prefill of one unpadded row without blocks: is_causal=True
+    check: bool = True  # count cache use (off inside a compiled region)
+    inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
+    writes: dict = field(default_factory=dict)
+    reads: dict = field(default_factory=dict)
+    returned: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def prefill(cls, length: int, device, block: torch.Tensor | None = None) -> "ForwardContext":
+        pos = torch.arange(length, device=device).unsqueeze(0)
+        return cls("prefill", pos, pos, None, block, causal_fast_path=block is None)
+
+    @classmethod
+    def decode(cls, lengths: torch.Tensor, key_len: int, check: bool = True) -> "ForwardContext":
+        """One query per row at position ``lengths[i]``; keys 0..key_len-1, real up to ``lengths[i]``."""
+        k_pos = torch.arange(key_len, device=lengths.device).unsqueeze(0)
+        return cls("decode", lengths.view(-1, 1), k_pos, k_pos <= lengths.view(-1, 1), check=check)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, Q, K] boolean mask (True: attend) for a layer with this sliding window."""
+        m = self._masks.get(window)
+        if m is None:
+            q = self.q_pos.unsqueeze(-1)  # [B, Q, 1]
+            k = self.k_pos.unsqueeze(1)  # [B|1, 1, K]
+            m = k <= q
+            if self.block is not None:  # OR(causal, same image block), as transformers composes it
+                qb = self.block.unsqueeze(-1)
+                m = m | ((qb >= 0) & (qb == self.block.unsqueeze(1)))
+            if window is not None:
+                m = m & (k > q - window)
+            if self.k_valid is not None:
+                m = m & self.k_valid.unsqueeze(1)
+            m = m.unsqueeze(1)
+            self._masks[window] = m
+        return m
+
+    # ------------------------------------------------------------------ the cache-use guard
+    def record_write(self, layer_idx: int, keys: torch.Tensor) -> None:
+        if self.check:
+            self.writes[layer_idx] = self.writes.get(layer_idx, 0) + 1
+            self.returned[layer_idx] = keys
+
+    def record_read(self, module, key: torch.Tensor) -> None:
+        if not self.check:
+            return
+        idx = getattr(module, "layer_idx", None)
+        ret = self.returned.get(idx)
+        if ret is None or ret.data_ptr() != key.data_ptr() or ret.shape != key.shape:
+            raise CacheBypassError(
+                f"{type(module).__name__} (layer {idx}) attended over keys that did not come from the engine's "
+                "KV cache view")
+        self.reads[idx] = self.reads.get(idx, 0) + 1
+
+    def verify(self, model, num_layers: int) -> None:
+        """Every decoder layer wrote once and read once through the engine's cache in this forward."""
+        if not self.check:
+            return
+        want = {i: 1 for i in range(num_layers)}
+        if self.writes == want and self.reads == want:
+            return
+        missing_w = sorted(set(range(num_layers)) - set(self.writes))
+        missing_r = sorted(set(range(num_layers)) - set(self.reads))
+        raise CacheBypassError(
+            f"{type(model).__name__}: in this {self.kind} forward, layers {missing_w or '-'} did not write and "
+            f"layers {missing_r or '-'} did not attend through the engine's KV cache (writes {self.writes}, "
+            f"reads {self.reads}, expected one each for {num_layers} layers). The model's forward bypasses the "
+            "cache the engine passes as past_key_values (a patched fast path such as Unsloth's text-model "
+            "CausalLM_fast_forward on CUDA, or remote code with its own attention), so its tokens and logprobs "
+            "would be wrong. Load the model with load_model(..., backend='transformers') or without "
+            "trust_remote_code.")
+
+
+_local = threading.local()
+
+
+def set_current(ctx: ForwardContext | None) -> None:
+    """Fallback for decoders that do not pass extra forward kwargs down to their attention."""
+    _local.ctx = ctx
+
+
+def _eager_for(module):
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """Attention for engine forwards (registered in transformers' AttentionInterface as ATTN_NAME)."""
+    ctx = kwargs.pop(CTX_KWARG, None) or getattr(_local, "ctx", None)
+    if ctx is None:
+        raise CacheBypassError(f"{type(module).__name__}: engine attention called outside an engine forward")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} passes '{name}' to its attention function; the engine cannot reproduce "
+                "that arithmetic exactly")
+    ctx.record_read(module, key)
+    window = kwargs.get("sliding_window")
+    window = int(window) if window else None
+    inner = ctx.inner
+    if inner == "eager" or (kwargs.get("softcap") is not None and inner == "fused"):
+        # The modeling file's own eager attention (soft-capping, scaling, GQA as the model defines them),
+        # fed the additive mask transformers' eager path uses.
+        m = ctx.mask(window)
+        add = torch.zeros(m.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~m, torch.finfo(query.dtype).min)
+        return _eager_for(module)(module, query, key, value, add, dropout=0.0, scaling=scaling, **kwargs)
+    # SDPA, as transformers' sdpa path computes it (which ignores softcap), reading K/V with native GQA.
+    fast = ctx.causal_fast_path and window is None
+    mask = None if fast else ctx.mask(window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, engine_attention)
+
+
+def inner_implementation(name: str | None) -> str:
+    """How the engine reproduces a model's configured attention: "sdpa" (transformers' sdpa path, which
+    ignores logit soft-capping), "eager" (the modeling file's own function), or "fused" (flash / flex
+    kernels: SDPA arithmetic, soft-capping honoured through the eager function)."""
+    name = str(name) if name is not None else "sdpa"
+    if "sdpa" in name:
+        return "sdpa"
+    if name == "eager":
+        return "eager"
+    if "flash" in name or "flex" in name:
+        return "fused"
+    raise UnsupportedAttentionError(
+        f"attention implementation {name!r} is not one the engine reproduces; load the model with "
+        f"attn_implementation='sdpa' or 'eager'")
