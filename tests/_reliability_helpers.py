@@ -1,5 +1,5 @@
 """Shared helpers of the test_reliability_* files: the real server in a subprocess, its /metrics and RSS,
-a teacher-forced oracle for greedy outputs, and the figures written to benchmarks/reliability/*.json."""
+a teacher-forced oracle for greedy outputs, and the figures written to <figures>/reliability/*.json (figures_root)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,15 @@ import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIGURES = ROOT / "benchmarks" / "reliability"
+
+
+def figures_root() -> pathlib.Path:
+    """Where tests write measured figures: $UNSLOTH_ROLLOUT_FIGURES, else the ignored .figures/ folder.
+    ``scripts/record_figures.sh`` points it at benchmarks/ to refresh the recorded ones."""
+    return pathlib.Path(os.environ.get("UNSLOTH_ROLLOUT_FIGURES") or ROOT / ".figures")
+
+
+FIGURES = figures_root() / "reliability"
 MiB = 1 << 20
 
 
@@ -199,7 +207,7 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 def write_figures(name: str, record: dict) -> pathlib.Path:
-    """benchmarks/reliability/<name>.json, with the machine it ran on."""
+    """<figures>/reliability/<name>.json, with the machine it ran on (see figures_root)."""
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / f"{name}.json"
     record = {**record, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -1,5 +1,6 @@
 """End-to-end GRPO with AReaL's PPOTrainer on the unsloth backend: a tiny random Qwen2.5-VL (vision LoRA)
-learns a toy reward on CPU. Saves the reward curve to benchmarks/areal_grpo_reward_curve.{json,png}."""
+learns a toy reward on CPU. Saves the reward curve to <figures>/areal_grpo_reward_curve.{json,png}
+(.figures/ by default; scripts/record_figures.sh writes benchmarks/)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import pathlib
 import time
 
 import pytest
+from _reliability_helpers import figures_root
 
 pytest.importorskip("areal")
 pytestmark = pytest.mark.areal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "unsloth_rollout" / "areal" / "configs" / "tiny_cpu_grpo.yaml"
-OUT = ROOT / "benchmarks" / "areal_grpo_reward_curve"
+OUT = figures_root() / "areal_grpo_reward_curve"
 STEPS = 30
 
 

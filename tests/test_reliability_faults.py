@@ -5,7 +5,7 @@ one request's prefill. Every request must end with tokens or a clear error; gree
 teacher-forced forward picks (LoRA outputs: the PEFT model's forward); all KV returns to the pool; the
 engine keeps serving.
 
-Figures go to benchmarks/reliability/faults_<variant>.json. CI: 48 workers, 12 chaos cycles; ``-m slow``: 80.
+Figures go to <figures>/reliability/ (.figures/, or benchmarks/ via scripts/record_figures.sh): faults_<variant>.json. CI: 48 workers, 12 chaos cycles; ``-m slow``: 80.
 """
 
 from __future__ import annotations

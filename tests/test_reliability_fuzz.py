@@ -7,7 +7,7 @@ request within the client timeout; never a 5xx; a 4xx carries OpenAI's error sch
 response; nothing is fetched from an image URL (a local listener must see no connection); afterwards the
 server answers a valid request. CI: 600 requests, derandomized; ``-m slow``: 7,200, random.
 
-Figures go to benchmarks/reliability/fuzz_<variant>.json.
+Figures go to <figures>/reliability/ (.figures/, or benchmarks/ via scripts/record_figures.sh): fuzz_<variant>.json.
 """
 
 from __future__ import annotations

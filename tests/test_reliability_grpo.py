@@ -6,7 +6,7 @@ No slowdown: the median CPU time per step over the last quarter at most 1.5x the
 warm-up (CPU time, not wall time: the machine is shared; wall times are recorded too). Every step trains
 on samples of the step before (version).
 
-Figures go to benchmarks/reliability/grpo_<variant>.json. CI: 20 steps; ``-m slow``: 200 steps.
+Figures go to <figures>/reliability/ (.figures/, or benchmarks/ via scripts/record_figures.sh): grpo_<variant>.json. CI: 20 steps; ``-m slow``: 200 steps.
 """
 
 from __future__ import annotations

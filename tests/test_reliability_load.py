@@ -3,7 +3,7 @@ chat and text completions, some with an image. Every request must end with a com
 zero 5xx); every greedy text output must be what a teacher-forced HF forward picks (the oracle: batching 256
 requests changes nothing); the server's RSS must stay flat after warm-up; all KV returns to the pool.
 
-Figures (latency p50/p99, requests, errors, RSS per round) go to benchmarks/reliability/load_<variant>.json.
+Figures (latency p50/p99, requests, errors, RSS per round) go to <figures>/reliability/load_<variant>.json (.figures/, or benchmarks/ via scripts/record_figures.sh).
 CI runs 6 rounds (1,536 requests); ``-m slow`` runs 32 rounds (8,192 requests).
 """
 
