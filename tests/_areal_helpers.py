@@ -8,32 +8,16 @@ import io
 import numpy as np
 import torch
 
+from unsloth_rollout.testing.oracles import teacher_forced
+
 IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature: float, pixel_values=None,
                             image_grid_thw=None) -> torch.Tensor:
     """The oracle: one plain HF forward of prompt + output; ``log_softmax(logits / T)`` of each output token."""
-    ids = torch.tensor([list(prompt_ids) + list(output_ids)])
-    kw = {}
-    if pixel_values is not None:
-        types = torch.zeros_like(ids)
-        types[ids == policy.config.image_token_id] = 1
-        kw = dict(pixel_values=pixel_values.to(policy.dtype), image_grid_thw=image_grid_thw,
-                  mm_token_type_ids=types)
-    with policy.lock, torch.no_grad():
-        was_training = policy.model.training
-        policy.model.eval()
-        policy.clear_rope_deltas()
-        try:
-            logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw).logits
-        finally:
-            policy.clear_rope_deltas()
-            if was_training:
-                policy.model.train()
-    n = len(prompt_ids)
-    logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
-    return logp[n - 1:-1].gather(-1, ids[0, n:].unsqueeze(-1)).squeeze(-1)
+    return teacher_forced(policy, prompt_ids, output_ids, temperature, pixel_values=pixel_values,
+                          image_grid_thw=image_grid_thw)[0]
 
 
 def random_image(seed: int, size: int = 56):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_rollout.models.tiny import tiny_model_path
+from unsloth_rollout.testing.oracles import mm_token_type_ids, teacher_forced  # noqa: F401  (re-exported)
+from unsloth_rollout.testing.tiny import tiny_model_path
 
 
 @pytest.fixture(scope="session")
@@ -54,22 +55,9 @@ def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
     return n
 
 
-def mm_token_type_ids(ids: torch.Tensor, config) -> torch.Tensor:
-    tt = torch.zeros_like(ids, dtype=torch.int32)
-    tt[ids == config.image_token_id] = 1
-    return tt
-
-
-def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None):
-    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle)."""
-    full = torch.tensor([list(prompt_ids) + list(output_ids)])
-    kw = {}
-    if pixel_values is not None:
-        kw = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
-              "mm_token_type_ids": mm_token_type_ids(full, policy.config)}
-    policy.clear_rope_deltas()
-    with torch.no_grad():
-        logits = policy.model(input_ids=full, **kw).logits[0, len(prompt_ids) - 1:-1].float()
-    lp = torch.log_softmax(logits / temperature, dim=-1)
-    return lp.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1), logits
-
+def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,
+                            **vision):
+    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle),
+    and the logits; see unsloth_rollout.testing.oracles."""
+    return teacher_forced(policy, prompt_ids, output_ids, temperature, pixel_values=pixel_values,
+                          image_grid_thw=image_grid_thw, **vision)

@@ -38,7 +38,7 @@ def test_grpo_learns_toy_reward_on_cpu(tmp_path):
     OUT.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "test": "tests/test_areal_grpo_learning.py", "config": str(CONFIG.relative_to(ROOT)),
-        "model": "tiny random Qwen2.5-VL (unsloth_rollout.models.tiny), LoRA r=8 incl. vision tower",
+        "model": "tiny random Qwen2.5-VL (unsloth_rollout.testing.tiny), LoRA r=8 incl. vision tower",
         "reward": f"fraction of completion tokens in a fixed set of {len(TOY_TARGET_IDS)} token ids (max 1.0)",
         "trainer": "areal 1.0.4 PPOTrainer, rollout.backend unsloth:d1 (colocated, one process, CPU)",
         "steps": list(range(1, STEPS + 1)), "mean_reward": rewards, "start_mean_reward": start,

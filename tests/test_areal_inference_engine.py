@@ -23,7 +23,7 @@ from areal.workflow import RLVRWorkflow  # noqa: E402
 
 from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.areal.inference_engine import UnslothInferenceEngine  # noqa: E402
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 try:  # tests/ as a package or as a plain folder on sys.path
     from tests._areal_helpers import png_data_url, random_image, teacher_forced_logprobs, vlm_item  # noqa: E402

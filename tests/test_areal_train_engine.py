@@ -20,7 +20,7 @@ from areal.workflow.vision_rlvr import VisionRLVRWorkflow  # noqa: E402
 
 from unsloth_rollout import load_model  # noqa: E402
 from unsloth_rollout.areal import ColocatedTrainEngine, UnslothInferenceEngine, UnslothPPOActor  # noqa: E402
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 try:
     from tests._areal_helpers import teacher_forced_logprobs, vlm_item  # noqa: E402

@@ -69,7 +69,7 @@ def test_cache_bypass_after_start_fails_requests_with_no_output():
 def test_unverified_family_refused_at_load(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from unsloth_rollout.models.tiny import _build_tokenizer
+    from unsloth_rollout.testing.tiny import _build_tokenizer
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=800)).save_pretrained(tmp_path)
     _build_tokenizer(746).save_pretrained(tmp_path)

@@ -15,7 +15,7 @@ import torch
 from conftest import random_images
 from unsloth_rollout import load_model
 from unsloth_rollout.models import BackendUnavailableError
-from unsloth_rollout.models.tiny import build_tiny_model
+from unsloth_rollout.testing.tiny import build_tiny_model
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -68,7 +68,7 @@ def test_builders_load_through_auto_classes(tmp_path, arch):
 
 def test_cli_builds_and_load_model_picks_transformers_for_a_vlm(tmp_path):
     d = tmp_path / "d"
-    r = subprocess.run([sys.executable, "-m", "unsloth_rollout.models.tiny", "--arch", "qwen2_5_vl", "--size", "tiny",
+    r = subprocess.run([sys.executable, "-m", "unsloth_rollout.testing.tiny", "--arch", "qwen2_5_vl", "--size", "tiny",
                         "--out", str(d)], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-c", "from unsloth_rollout import load_model; "

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_event,  # noqa: E402
                                   check_kv_returned, data_url, metrics, png_bytes, wait_idle, write_figures)
 
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
 LORA = "chaos-lora"

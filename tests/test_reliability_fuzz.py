@@ -28,7 +28,7 @@ from _reliability_helpers import (Canary, ServerProcess, data_url, errors_by_sta
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
 TIMEOUT_S = 60.0  # per request: a server that does not answer within it has hung

@@ -23,7 +23,7 @@ from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_e
                                   check_kv_returned, data_url, errors_by_status, metrics, percentile, png_bytes,
                                   write_figures)
 
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
 CLIENTS = 256
@@ -176,7 +176,7 @@ def test_256_concurrent_clients_lose_nothing(server, model_dir, rounds, request)
     margin = max(RSS_MARGIN_ABS, RSS_MARGIN_REL * baseline)
     record = {
         "test": f"tests/test_reliability_load.py::{request.node.name}",
-        "model": "tiny random Qwen2.5-VL (unsloth_rollout.models.tiny), served by python -m unsloth_rollout.serve",
+        "model": "tiny random Qwen2.5-VL (unsloth_rollout.testing.tiny), served by python -m unsloth_rollout.serve",
         "clients": CLIENTS, "rounds": rounds, "requests": len(flat),
         "mix": "chat / chat stream / completions / completions stream rotating per round; greedy, 4-12 tokens; "
                "1 in 16 chat requests with a 56x56 image",

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from _reliability_helpers import ROOT, Canary, ServerProcess, data_url, png_bytes, write_figures  # noqa: E402
 
-from unsloth_rollout.models.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
 KEY = "s3cret-key"

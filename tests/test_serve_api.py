@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model  # noqa: E402
-from unsloth_rollout.models.tiny import build_tiny_model  # noqa: E402
+from unsloth_rollout.testing.tiny import build_tiny_model  # noqa: E402
 
 MAX_MODEL_LEN = 512
 NAME = "tiny-vlm"

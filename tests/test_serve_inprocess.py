@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
-from unsloth_rollout.models.tiny import build_tiny_model  # noqa: E402
+from unsloth_rollout.testing.tiny import build_tiny_model  # noqa: E402
 
 KEY = "s3cret"
 

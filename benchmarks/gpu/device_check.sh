@@ -23,7 +23,7 @@ PY
 timeout 180 python -m pytest -q -x tests/test_engine_parity.py tests/test_engine_compile.py \
   --junitxml="$OUT/parity.xml" 2>&1 | tail -5 || true
 # 2. Real-dimension random models, built on the GPU in bf16.
-python -m unsloth_rollout.models.tiny --arch qwen2_5_vl --size 3b --out /tmp/models/q3b
+python -m unsloth_rollout.testing.tiny --arch qwen2_5_vl --size 3b --out /tmp/models/q3b
 # 3. Bench: engine vs hf-batched (and vllm when present) on the GRPO workload with vision LoRA, 16-bit and 4-bit.
 for q in 16bit 4bit; do
   extra=""; [ "$q" = 4bit ] && extra="--load-in-4bit"

@@ -41,9 +41,9 @@ class UnslothGRPOConfig(UnslothPPOConfig):
 
 
 def resolve_model_path(path: str) -> str:
-    """``tiny:<arch>[:<size>]`` -> the cached offline tiny model folder (see ``unsloth_rollout.models.tiny``)."""
+    """``tiny:<arch>[:<size>]`` -> the cached offline tiny model folder (see ``unsloth_rollout.testing.tiny``)."""
     if isinstance(path, str) and path.startswith("tiny:"):
-        from ..models.tiny import tiny_model_path
+        from ..testing.tiny import tiny_model_path
 
         arch, _, size = path[len("tiny:"):].partition(":")
         return str(tiny_model_path(arch, size or "tiny"))

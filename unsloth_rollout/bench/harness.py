@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .backends import BACKENDS, BenchContext, spread
+from ..testing.oracles import teacher_forced
 from .workloads import Workload, build_workload, image_inputs
 
 logger = logging.getLogger("unsloth_rollout.bench")
@@ -38,7 +39,7 @@ MODELS = {
 def resolve_model(name: str) -> str:
     """A model folder for ``name``: one of MODELS (built offline on first use) or a path."""
     if name in MODELS:
-        from ..models.tiny import tiny_model_path
+        from ..testing.tiny import tiny_model_path
 
         return str(tiny_model_path(*MODELS[name]))
     if not os.path.isdir(name):
@@ -184,20 +185,11 @@ class ForwardCounter:
 
 def teacher_forced_logprobs(policy, wl: Workload, req, output_ids: list[int]) -> list[float]:
     """log_softmax(logits / T)[token] for each output token, from one forward over prompt + output."""
-    dev = policy.device
-    ids = torch.tensor([list(req.prompt_ids) + list(output_ids)], device=dev)
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    vision = {}
     if req.image is not None:
         pv, grid = image_inputs(policy.processor, [req.image])
-        kwargs.update(pixel_values=pv.to(dev, policy.dtype), image_grid_thw=grid.to(dev),
-                      mm_token_type_ids=(ids == wl.image_token_id).to(torch.int32))
-    policy.clear_rope_deltas()
-    with torch.inference_mode():
-        logits = policy.model(**kwargs, use_cache=False).logits[0].float()
-    policy.clear_rope_deltas()
-    n = len(req.prompt_ids)
-    lp = torch.log_softmax(logits[n - 1: n - 1 + len(output_ids)] / wl.temperature, dim=-1)
-    return lp.gather(1, torch.tensor(output_ids, device=dev).unsqueeze(1)).squeeze(1).tolist()
+        vision = {"pixel_values": pv, "image_grid_thw": grid}
+    return teacher_forced(policy, req.prompt_ids, output_ids, wl.temperature, **vision)[0].tolist()
 
 
 def logprob_drift(policy, wl: Workload, samples, k: int) -> tuple[float | None, int]:

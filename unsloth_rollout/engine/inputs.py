@@ -44,6 +44,18 @@ class PreparedPrompt:
         return len(self.image_hashes)
 
 
+def mm_token_type_ids(ids: torch.Tensor, config) -> torch.Tensor:
+    """Qwen-VL's per-token modality (0 text, 1 image, 2 video), from which transformers 5 computes M-RoPE
+    image positions; a forward without it silently gives image tokens text positions."""
+    tt = torch.zeros_like(ids, dtype=torch.int32)
+    image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+    if image is not None:
+        tt[ids == image] = 1
+    if video is not None:
+        tt[ids == video] = 2
+    return tt
+
+
 def load_image(obj: Any, field: str = "images"):
     """PIL image from a PIL image, bytes, base64 / data URL string or a file path."""
     from PIL import Image

@@ -16,6 +16,7 @@ import torch
 
 from ..models.families import check_supported
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
+from .inputs import mm_token_type_ids
 from .kv_cache import CacheView, KVCache
 
 def _text_dims(cfg) -> tuple[int, int, int]:
@@ -77,11 +78,7 @@ class ModelRunner:
         kwargs = {"image_grid_thw": grid.to(self.device), "attention_mask": torch.ones_like(t)}
         params = inspect.signature(self._rope_index).parameters
         if "mm_token_type_ids" in params:
-            tt = torch.zeros_like(t, dtype=torch.int32)
-            tt[t == self.image_token_id] = 1
-            if self.video_token_id is not None:
-                tt[t == self.video_token_id] = 2
-            kwargs["mm_token_type_ids"] = tt
+            kwargs["mm_token_type_ids"] = mm_token_type_ids(t, self.policy.config)
         pos, delta = self._rope_index(t, **kwargs)
         return pos, int(delta.view(-1)[0])
 

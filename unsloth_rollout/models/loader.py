@@ -143,7 +143,7 @@ def _check_path(path: str) -> None:
         raise FileNotFoundError(
             f"model path {path!r} is not a local model folder"
             + (" (HF_HUB_OFFLINE=1, so hub names cannot be resolved)" if offline else "")
-            + "; build a tiny one with: python -m unsloth_rollout.models.tiny --out DIR")
+            + "; build a tiny one with: python -m unsloth_rollout.testing.tiny --out DIR")
 
 
 def load_model(

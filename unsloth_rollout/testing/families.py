@@ -4,7 +4,7 @@ Each is 3 layers with grouped-query attention and the family's distinguishing fe
 at sizes a short prompt reaches: sliding windows of 8 tokens (so mixed-length batches run past
 them), Gemma 2's attention and final-logit soft-capping at values that change the logits, Gemma 3's
 5:1 local/global layers with two RoPE bases, Phi-3's fused projections, Qwen3-MoE's experts. All
-share the offline BPE tokenizer and Qwen chat template of ``unsloth_rollout.models.tiny``.
+share the offline BPE tokenizer and Qwen chat template of ``unsloth_rollout.testing.tiny``.
 
 Example::
 
@@ -50,7 +50,7 @@ def family_model_path(family: str, seed: int = 0) -> pathlib.Path:
     """Path of the cached tiny ``family`` model, building it first (atomically) if needed."""
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    from ..models.tiny import _cache_root
+    from .tiny import _cache_root
 
     path = _cache_root() / "families" / f"{family}-s{seed}-{_FORMAT_VERSION}"
     if (path / _MARKER).is_file():
@@ -75,7 +75,7 @@ def _write(path: pathlib.Path, family: str, seed: int) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from ..models.tiny import SPECIAL_TOKENS, _build_tokenizer, _quiet_progress_bars, _round_up, chat_template
+    from .tiny import SPECIAL_TOKENS, _build_tokenizer, _quiet_progress_bars, _round_up, chat_template
 
     tokenizer = _build_tokenizer(746)
     tokenizer.chat_template = chat_template("qwen2")

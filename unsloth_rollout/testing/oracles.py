@@ -1,0 +1,48 @@
+"""The independent oracles the tests and the bench hold the engine to.
+
+``teacher_forced`` is the trainer's view of a completion: one plain HF forward over prompt + output
+(no engine, no KV cache), scored as ``log_softmax(logits / T)[token]`` in fp32: what AReaL's and
+TRL's trainers recompute. Vision inputs pass through as the model's processor made them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.inputs import mm_token_type_ids
+
+__all__ = ["mm_token_type_ids", "teacher_forced"]
+
+
+def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **vision):
+    """(logprobs [n_out], logits [n_out, V]) of ``output_ids`` after ``prompt_ids`` from one forward.
+
+    ``vision``: pixel_values, image_grid_thw, ... as the processor returns them; Qwen-VL's
+    ``mm_token_type_ids`` (M-RoPE image positions) is derived when the model takes it and it is not given.
+
+    Example::
+
+        lp, _ = teacher_forced(policy, out.prompt_ids, out.output_ids, temperature=1.0)
+        assert (lp - torch.tensor(out.output_logprobs)).abs().max() <= 1e-5
+    """
+    dev = policy.device
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=dev)
+    kw = {k: v for k, v in vision.items() if v is not None}
+    if "pixel_values" in kw:
+        kw["pixel_values"] = kw["pixel_values"].to(dev, policy.dtype)
+        kw.setdefault("mm_token_type_ids", mm_token_type_ids(ids, policy.config))
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    with policy.lock, torch.no_grad():
+        was_training = policy.model.training
+        policy.model.eval()
+        policy.clear_rope_deltas()
+        try:
+            logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw).logits
+        finally:
+            policy.clear_rope_deltas()
+            if was_training:
+                policy.model.train()
+    n = len(prompt_ids)
+    logits = logits[0, n - 1:-1].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, ids[0, n:].unsqueeze(1)).squeeze(1).cpu(), logits.cpu()
