@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from transformers import TrainerCallback
@@ -148,7 +149,8 @@ class EngineRollout:
             logprobs (and log ``sampling/*``). ``None``: follow ``args.vllm_importance_sampling_correction``.
         seed: seed of an engine built here.
 
-    After each call ``last_outputs`` holds the engine's GenerationOutputs (ids, logprobs, versions).
+    After each call ``last_outputs`` holds the engine's GenerationOutputs (ids, logprobs, versions), and
+    ``history`` gains ``{"global_step", "versions", "requests", "samples", "seconds"}``.
     """
 
     def __init__(self, engine: RolloutEngine | PolicyModel | None = None, engine_config: EngineConfig | None = None,
@@ -161,6 +163,7 @@ class EngineRollout:
         self.importance_sampling = importance_sampling
         self.seed = seed
         self.last_outputs: list = []
+        self.history: list[dict] = []
         self._attached_to = None
 
     # ------------------------------------------------------------------ first call: bind to the trainer
@@ -234,6 +237,7 @@ class EngineRollout:
         toks = [t for t in (policy.tokenizer, getattr(trainer.processing_class, "tokenizer", None),
                             trainer.processing_class) if t is not None and hasattr(t, "padding_side")]
         sides = [t.padding_side for t in toks]
+        t0 = time.perf_counter()
         try:
             with policy.inference():  # one mode switch for the batch, not one per engine step
                 outputs = engine.generate(requests)
@@ -250,6 +254,9 @@ class EngineRollout:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"rollout engine returned {len(outputs)} samples for {len(prompts)} prompts")
         self.last_outputs = outputs
+        self.history.append({"global_step": trainer.state.global_step, "requests": len(requests),
+                             "samples": len(outputs), "seconds": time.perf_counter() - t0,
+                             "versions": sorted({v for o in outputs for v in o.output_versions})})
         return {
             "prompt_ids": [list(o.prompt_ids) for o in outputs],
             "completion_ids": [list(o.output_ids) for o in outputs],
