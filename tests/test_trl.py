@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+pytestmark = pytest.mark.trl
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from conftest import teacher_forced_logprobs  # noqa: E402
@@ -199,3 +200,15 @@ def test_unsloth_first_text_model(qwen2_dir, tmp_path):
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "OK unsloth" in r.stdout
+
+
+def test_bench_trl_workload_runs_both_paths():
+    """`python -m unsloth_rollout.bench --workload trl` at a tiny size: both paths fill the same batch."""
+    from unsloth_rollout.bench.trl import markdown, run_trl_bench
+
+    rep = run_trl_bench("tiny-vlm", prompts=2, group=3, max_new_tokens=4, lora=4, progress=False)
+    assert [r["backend"] for r in rep["results"]] == ["engine", "trl-generate"]
+    for r in rep["results"]:
+        assert r["completions"] == 6 and 6 <= r["output_tokens"] <= 24 and r["wall_s"] > 0
+    assert rep["ratio_engine_vs_trl_generate"] == rep["results"][1]["wall_s"] / rep["results"][0]["wall_s"]
+    assert "trl-generate" in markdown(rep)
