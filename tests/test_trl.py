@@ -227,13 +227,18 @@ def test_unsloth_first_text_model(qwen2_dir, tmp_path):
     assert "OK unsloth" in r.stdout
 
 
-def test_bench_trl_workload_runs_both_paths():
+def test_bench_trl_workload_runs_both_paths(tmp_path, capsys):
     """`python -m unsloth_rollout.bench --workload trl` at a tiny size: both paths fill the same batch."""
-    from unsloth_rollout.bench.trl import markdown, run_trl_bench
+    import json
 
-    rep = run_trl_bench("tiny-vlm", prompts=2, group=3, max_new_tokens=4, lora=4, progress=False)
+    from unsloth_rollout.bench.__main__ import main
+
+    out = tmp_path / "trl.json"
+    assert main(["--workload", "trl", "--model", "tiny-vlm", "--prompts", "2", "--group", "3", "--max-new-tokens",
+                 "4", "--lora", "4", "--no-progress", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
     assert [r["backend"] for r in rep["results"]] == ["engine", "trl-generate"]
     for r in rep["results"]:
         assert r["completions"] == 6 and 6 <= r["output_tokens"] <= 24 and r["wall_s"] > 0
     assert rep["ratio_engine_vs_trl_generate"] == rep["results"][1]["wall_s"] / rep["results"][0]["wall_s"]
-    assert "trl-generate" in markdown(rep)
+    assert "| trl-generate |" in capsys.readouterr().out
