@@ -61,7 +61,8 @@ def grpo_config(output_dir: str, steps: int, *, lr: float = 3e-2, num_generation
     from trl import GRPOConfig
 
     kw = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, num_generations=num_generations,
-              per_device_train_batch_size=num_generations * prompts_per_step, max_completion_length=max_completion_length,
+              per_device_train_batch_size=num_generations * prompts_per_step,
+              max_completion_length=max_completion_length,
               max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
               gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no", seed=seed,
               temperature=1.0, beta=0.0, dataloader_num_workers=0, disable_tqdm=True)
@@ -91,7 +92,8 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     ds = toy_dataset(16, "image" if policy.is_vlm else None, seed)
     output_dir = output_dir or tempfile.mkdtemp(prefix="unsloth_rollout_trl_")
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.processor or policy.tokenizer,
-                          reward_funcs=toy_reward(engine.eos_ids), args=grpo_config(output_dir, steps, lr=lr, seed=seed),
+                          reward_funcs=toy_reward(engine.eos_ids),
+                          args=grpo_config(output_dir, steps, lr=lr, seed=seed),
                           train_dataset=ds, rollout_func=rf)
     t0 = time.perf_counter()
     trainer.train()
