@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv with the verified CPU line: torch 2.13.0 (CPU), transformers 5.17.0, peft 0.18.1,
-# areal 1.0.4 and unsloth 2026.10.9 (both --no-deps), and unsloth_rollout itself (editable).
+# areal 1.0.4, unsloth 2026.10.9 and trl 1.16.0 (all --no-deps), and unsloth_rollout itself (editable).
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check"
 # areal/unsloth metadata pins an older torch/transformers and would pull torchvision + a CUDA torch: no deps.
-$PIP install -q --no-deps areal==1.0.4 unsloth==2026.10.9 unsloth_zoo==2026.10.9
+# trl likewise, so pip never re-resolves torch/transformers for it.
+$PIP install -q --no-deps areal==1.0.4 unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.16.0
 # torch is named here, pinned, so pip takes the CPU wheel instead of resolving a multi-GB CUDA build.
 $PIP install -q torch==2.13.0 -r requirements/ci.txt
 $PIP install -q --no-deps -e .

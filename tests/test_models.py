@@ -26,7 +26,7 @@ def _digest(path):
 
 
 def test_import_is_light():
-    code = ("import sys, unsloth_rollout; bad = [m for m in ('areal', 'fastapi', 'unsloth', 'uvicorn') "
+    code = ("import sys, unsloth_rollout; bad = [m for m in ('areal', 'fastapi', 'trl', 'unsloth', 'uvicorn') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

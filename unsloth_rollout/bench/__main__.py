@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers continuous batching, vLLM and SGLang, on identical seeded requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="small-vlm", help=f"one of {', '.join(MODELS)}, or a model folder")
-    p.add_argument("--workload", default="grpo", choices=WORKLOADS)
+    p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl"),
+                   help="trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path")
     g = SHAPES["grpo"]
     p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")
     p.add_argument("--group", type=int, default=None, help=f"samples per prompt (grpo default {g.group})")
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if args.workload == "trl":
+        return _main_trl(args)
     try:
         report = run_bench(
             model=args.model, workload=args.workload, prompts=args.prompts, group=args.group,
@@ -98,6 +101,23 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot_out)), exist_ok=True)
         plot(report, args.plot_out)
     return 0 if report["results"] else 1
+
+
+def _main_trl(args) -> int:
+    from .trl import markdown, run_trl_bench
+
+    g = SHAPES["grpo"]
+    report = run_trl_bench(model=args.model, prompts=args.prompts or g.prompts, group=args.group or g.group,
+                           max_new_tokens=args.max_new_tokens or g.max_new_tokens, lora=args.lora, seed=args.seed,
+                           temperature=args.temperature, repeats=args.repeats, kv_cache_gib=args.kv_cache_gib,
+                           progress=not args.no_progress)
+    table = markdown(report)
+    print(table)
+    if args.json_out:
+        _write(args.json_out, json.dumps(report, indent=2) + "\n")
+    if args.markdown_out:
+        _write(args.markdown_out, table)
+    return 0
 
 
 def _write(path: str, text: str) -> None:

@@ -1,0 +1,22 @@
+"""TRL's GRPOTrainer generating through a RolloutEngine over the very model it trains.
+
+One line on the user's existing TRL (or Unsloth-patched TRL) GRPO script::
+
+    from unsloth_rollout.trl import rollout_func
+
+    trainer = GRPOTrainer(model=model, processing_class=processor, reward_funcs=..., args=GRPOConfig(...),
+                          train_dataset=ds, rollout_func=rollout_func(engine))   # or rollout_func(policy)
+
+It uses TRL's documented ``rollout_func=`` hook: each group of ``num_generations`` identical prompts is
+one engine request with ``n=num_generations`` (one shared prefill), sampled with the trainer's
+``max_completion_length`` / temperature / top_p / top_k / min_p / repetition_penalty / generation_kwargs,
+stopping at the trainer's EOS ids. Completion ids and the engine's behaviour logprobs go back to TRL, and
+its importance-sampling correction and ``sampling/*`` logging run on them. The engine's version follows
+``trainer.state.global_step`` (bumped after every optimizer step by a callback); no weights move.
+
+Importing ``unsloth_rollout`` does not import this module or trl.
+"""
+
+from .rollout import EngineRollout, EngineVersionCallback, rollout_func, sampling_params_from_trainer
+
+__all__ = ["EngineRollout", "EngineVersionCallback", "rollout_func", "sampling_params_from_trainer"]

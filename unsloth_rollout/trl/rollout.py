@@ -1,0 +1,269 @@
+"""The ``rollout_func`` TRL's GRPOTrainer calls, and the callback that keeps the engine's version current.
+
+TRL (1.16) calls ``rollout_func(prompts, trainer)`` with the per-process prompts, each repeated
+``num_generations`` times in a row, and expects ``prompt_ids`` / ``completion_ids`` / ``logprobs``, one
+entry per prompt. Tokenization is TRL's own (``processing_class.apply_chat_template`` with the trainer's
+chat template, tools and kwargs), so the ids TRL later scores are the ids the engine sampled from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..engine import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from ..models import PolicyModel
+
+logger = logging.getLogger("unsloth_rollout")
+
+# generation_kwargs keys (vLLM SamplingParams or transformers GenerationConfig spelling) -> SamplingParams field.
+_KWARG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos", "max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens", "min_new_tokens": "min_new_tokens", "skip_special_tokens": "skip_special_tokens",
+}
+# Keys that describe what the engine does anyway (padding, caching, EOS handled via stop_token_ids).
+_KWARG_NO_OPS = {"pad_token_id", "bos_token_id", "cache_implementation", "use_cache", "disable_compile",
+                 "return_dict_in_generate", "output_scores", "output_logits", "logprobs"}
+
+
+def sampling_params_from_trainer(trainer, n: int) -> SamplingParams:
+    """The engine's SamplingParams for one group of ``n`` samples, from the trainer's generation settings.
+
+    Example::
+
+        sp = sampling_params_from_trainer(trainer, n=trainer.num_generations)
+        sp.max_new_tokens == trainer.max_completion_length
+    """
+    top_k = getattr(trainer, "top_k", None)
+    kw: dict[str, Any] = {
+        "max_new_tokens": int(trainer.max_completion_length),
+        "temperature": float(trainer.temperature),
+        "top_p": float(getattr(trainer, "top_p", None) or 1.0),
+        "top_k": -1 if top_k in (None, 0, -1) else int(top_k),
+        "min_p": float(getattr(trainer, "min_p", None) or 0.0),
+        "repetition_penalty": float(getattr(trainer, "repetition_penalty", None) or 1.0),
+        "stop_token_ids": [int(t) for t in getattr(trainer, "eos_token_ids", []) or [] if t is not None],
+        "n": int(n),
+    }
+    gk = trainer.args.generation_kwargs
+    if isinstance(gk, str):
+        gk = json.loads(gk)
+    for key, value in (gk or {}).items():
+        if key in _KWARG_FIELDS:
+            field = _KWARG_FIELDS[key]
+            if field == "top_k":
+                value = -1 if value in (None, 0, -1) else value
+            if field == "stop_token_ids":
+                value = sorted(set(kw["stop_token_ids"]) | set(value or []))
+            kw[field] = value
+        elif key == "eos_token_id":
+            extra = value if isinstance(value, (list, tuple)) else [value]
+            kw["stop_token_ids"] = sorted(set(kw["stop_token_ids"]) | {int(t) for t in extra if t is not None})
+        elif key == "do_sample":
+            if not value:
+                kw["temperature"] = 0.0
+        elif key == "suppress_tokens":
+            continue  # TRL suppresses the image token; the engine never samples vision tokens (suppress_vision_tokens)
+        elif key not in _KWARG_NO_OPS:
+            raise InvalidRequestError(f"generation_kwargs.{key}",
+                                      f"generation_kwargs.{key} is not supported by the rollout engine; supported: "
+                                      f"{sorted(set(_KWARG_FIELDS) | {'eos_token_id', 'do_sample'} | _KWARG_NO_OPS)}")
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(e.field, f"GRPOConfig / generation_kwargs: {e}") from None
+
+
+class EngineVersionCallback(TrainerCallback):
+    """Stamp tokens sampled after optimizer step k with version k (``state.global_step``); no weights move."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.engine.set_version(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.engine.set_version(state.global_step)
+
+
+class _EngineWeightSync:
+    """What TRL calls ``vllm_generation`` in its rollout_func path: ``sync_weights()`` is a version bump."""
+
+    def __init__(self, engine: RolloutEngine, trainer):
+        self.engine = engine
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        self.engine.set_version(self.trainer.state.global_step)
+
+
+def _same_model(policy_model, trainer_model) -> bool:
+    """True when every parameter the engine reads is a parameter the trainer optimizes (the same tensors)."""
+    mine = {id(p) for p in policy_model.parameters()}
+    theirs = {id(p) for p in trainer_model.parameters()}
+    return bool(mine) and mine <= theirs
+
+
+def _group_runs(prompts: list) -> list[tuple[int, int]]:
+    """(start, count) of each run of identical consecutive prompts (TRL repeats each num_generations times)."""
+    runs: list[tuple[int, int]] = []
+    for i, p in enumerate(prompts):
+        if runs and prompts[runs[-1][0]] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _images_of(messages: list[dict]) -> list:
+    images = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image":
+                    if part.get("image") is None:
+                        raise InvalidRequestError(f"prompt[{i}].content[{j}]",
+                                                  "an image part carries no image (dataset image/images column?)")
+                    images.append(part["image"])
+    return images
+
+
+class EngineRollout:
+    """TRL ``rollout_func``: ``EngineRollout(engine)(prompts, trainer) -> {prompt_ids, completion_ids, logprobs}``.
+
+    Args:
+        engine: a RolloutEngine over the model the trainer trains, a PolicyModel (an engine is built
+            with ``engine_config``), or ``None`` (built on first call from ``trainer.model`` and
+            ``trainer.processing_class``).
+        engine_config: EngineConfig for an engine built here.
+        importance_sampling: let TRL apply its importance-sampling correction to the engine's behaviour
+            logprobs (and log ``sampling/*``). ``None``: follow ``args.vllm_importance_sampling_correction``.
+        seed: seed of an engine built here.
+
+    After each call ``last_outputs`` holds the engine's GenerationOutputs (ids, logprobs, versions), and
+    ``history`` gains ``{"global_step", "versions", "requests", "samples", "seconds"}``.
+    """
+
+    def __init__(self, engine: RolloutEngine | PolicyModel | None = None, engine_config: EngineConfig | None = None,
+                 importance_sampling: bool | None = None, seed: int | None = None):
+        if engine is not None and not isinstance(engine, (RolloutEngine, PolicyModel)):
+            raise TypeError(f"engine must be a RolloutEngine, a PolicyModel or None; got {type(engine).__name__}")
+        self._given = engine
+        self.engine: RolloutEngine | None = engine if isinstance(engine, RolloutEngine) else None
+        self.engine_config = engine_config
+        self.importance_sampling = importance_sampling
+        self.seed = seed
+        self.last_outputs: list = []
+        self.history: list[dict] = []
+        self._attached_to = None
+
+    # ------------------------------------------------------------------ first call: bind to the trainer
+    def _attach(self, trainer) -> None:
+        model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+        if self.engine is None:
+            policy = self._given
+            if policy is None:
+                pc = trainer.processing_class
+                tok = getattr(pc, "tokenizer", pc)
+                policy = PolicyModel.wrap(model, tok, pc if tok is not pc else None)
+            self.engine = RolloutEngine(policy, self.engine_config, seed=self.seed)
+        if not _same_model(self.engine.policy.model, model):
+            raise ValueError("rollout_func: the engine samples from a different model than the trainer trains; "
+                             "build the engine on the model passed to GRPOTrainer (after PEFT wrapping)")
+        if not any(isinstance(cb, EngineVersionCallback) and cb.engine is self.engine
+                   for cb in trainer.callback_handler.callbacks):
+            trainer.add_callback(EngineVersionCallback(self.engine))
+        want_is = self.importance_sampling
+        if want_is is None:
+            want_is = bool(getattr(trainer.args, "vllm_importance_sampling_correction", False))
+        if want_is and not getattr(trainer, "use_vllm", False):
+            needed = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")
+            missing = [a for a in needed if not hasattr(trainer, a)]
+            if missing:
+                logger.warning("unsloth_rollout.trl: this TRL has no %s; its importance-sampling correction stays "
+                               "off (the engine's logprobs match the trainer's forward anyway)", missing)
+            else:
+                # TRL gates its IS correction and sampling/* logging on use_vllm; in the rollout_func path that flag
+                # only adds a sync_weights() call per optimizer step, which here is a version bump.
+                trainer.vllm_generation = _EngineWeightSync(self.engine, trainer)
+                trainer._last_loaded_step = trainer.state.global_step
+                trainer.vllm_mode = "server"
+                trainer.vllm_importance_sampling_correction = True
+                trainer.use_vllm = True
+        self._attached_to = trainer
+
+    # ------------------------------------------------------------------ one generation batch
+    def _request(self, prompt, trainer, sampling: SamplingParams) -> GenerationRequest:
+        from trl.data_utils import is_conversational, prepare_multimodal_messages
+
+        pc = trainer.processing_class
+        if is_conversational({"prompt": prompt}):
+            if self.engine.policy.is_vlm:
+                prompt = prepare_multimodal_messages(prompt)
+            enc = pc.apply_chat_template(
+                conversation=[prompt], tools=getattr(trainer, "tools", None) or None,
+                chat_template=getattr(trainer, "chat_template", None), add_generation_prompt=True, tokenize=True,
+                return_dict=True, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+            ids = enc["input_ids"][0]
+            images = _images_of(prompt)
+        elif isinstance(prompt, str):
+            ids = pc(text=[prompt])["input_ids"][0]
+            images = []
+        else:
+            raise InvalidRequestError("prompt", f"prompt must be a string or a list of chat messages; got "
+                                                f"{type(prompt).__name__}")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return GenerationRequest(input_ids=ids, images=images or None, sampling=sampling)
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        if self._attached_to is not trainer:
+            self._attach(trainer)
+        engine = self.engine
+        if engine.version != trainer.state.global_step:
+            engine.set_version(trainer.state.global_step)
+        requests = []
+        for start, count in _group_runs(prompts):
+            requests.append(self._request(prompts[start], trainer, sampling_params_from_trainer(trainer, count)))
+        policy = engine.policy
+        toks = [t for t in (policy.tokenizer, getattr(trainer.processing_class, "tokenizer", None),
+                            trainer.processing_class) if t is not None and hasattr(t, "padding_side")]
+        sides = [t.padding_side for t in toks]
+        t0 = time.perf_counter()
+        try:
+            with policy.inference():  # one mode switch for the batch, not one per engine step
+                outputs = engine.generate(requests)
+        finally:
+            # The mode switch sets padding sides; TRL's processor call after this pads mm_token_type_ids its
+            # own way and must see them as they were. policy.lock: the engine's last step has ended.
+            with policy.lock:
+                for t, side in zip(toks, sides):
+                    t.padding_side = side
+        bad = [o for o in outputs if o.error is not None or o.finish_reason == "abort"]
+        if bad:
+            raise RuntimeError(f"rollout engine refused or failed {len(bad)} of {len(outputs)} samples: "
+                               f"{bad[0].error or bad[0].finish_reason}")
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"rollout engine returned {len(outputs)} samples for {len(prompts)} prompts")
+        self.last_outputs = outputs
+        self.history.append({"global_step": trainer.state.global_step, "requests": len(requests),
+                             "samples": len(outputs), "seconds": time.perf_counter() - t0,
+                             "versions": sorted({v for o in outputs for v in o.output_versions})})
+        return {
+            "prompt_ids": [list(o.prompt_ids) for o in outputs],
+            "completion_ids": [list(o.output_ids) for o in outputs],
+            "logprobs": [list(o.output_logprobs) for o in outputs],
+        }
+
+
+def rollout_func(engine: RolloutEngine | PolicyModel | None = None, **kwargs) -> EngineRollout:
+    """``GRPOTrainer(..., rollout_func=rollout_func(engine))``: generate through ``engine`` (see EngineRollout)."""
+    return EngineRollout(engine, **kwargs)
