@@ -102,7 +102,7 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     rewards = [float(h["reward"]) for h in logs]
     record = {
         "command": f"python -m unsloth_rollout.trl.toy --model {model} --steps {steps} --seed {seed}",
-        "model": f"{model}: random Qwen2.5-VL (unsloth_rollout.models.tiny), LoRA r=8 incl. vision tower",
+        "model": f"{model}: random Qwen2.5-VL (unsloth_rollout.testing.tiny), LoRA r=8 incl. vision tower",
         "trainer": "trl 1.16 GRPOTrainer, rollout_func=unsloth_rollout.trl.rollout_func(engine), CPU fp32",
         "reward": "fraction of completion tokens in unsloth_rollout.areal.rewards.TOY_TARGET_IDS",
         "settings": {"num_generations": 8, "prompts_per_step": 4, "max_completion_length": 8, "lr": lr},
