@@ -57,7 +57,7 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = pathlib.Path(workdir) / f"{name}.log"
-        cmd = [model_dir, "--port", str(self.port), "--backend", "transformers", "--log-level", "warning", *args]
+        cmd = [model_dir, "--port", str(self.port), "--model-backend", "transformers", "--log-level", "warning", *args]
         if host_arg:
             cmd += ["--host", "127.0.0.1"]
         if prelude is None:

@@ -116,3 +116,31 @@ def test_vlm_run_in_process():
     assert "vision + language" in rows["engine"]["lora"]
     skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
     assert "text-only" in skipped["transformers-cb"]
+
+
+def test_a_failing_engine_makes_the_bench_fail(monkeypatch, capsys):
+    """A backend that raises (the engine included) is reported and the command exits non-zero."""
+    from unsloth_rollout.bench import __main__ as cli
+    from unsloth_rollout.bench import harness
+
+    real = harness._run_backend
+
+    def run_backend(name, *args, **kwargs):
+        if name == "engine":
+            raise RuntimeError("simulated engine failure")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "_run_backend", run_backend)
+    rc = cli.main(["--model", "tiny-lm", "--backends", "engine,hf-batched", "--prompts", "1", "--group", "2",
+                   "--max-new-tokens", "3", "--no-progress", "--kv-cache-memory-bytes", "16MiB"])
+    assert rc == 1
+    assert "backends failed: engine" in capsys.readouterr().err
+
+
+def test_parse_bytes_is_the_one_memory_unit():
+    from unsloth_rollout.engine.config import parse_bytes
+
+    assert parse_bytes("1073741824") == parse_bytes("1GiB") == 1 << 30
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="byte count"):
+        parse_bytes("12 parsecs")

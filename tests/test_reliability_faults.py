@@ -103,7 +103,7 @@ def adapter(model_dir, workdir):
 @pytest.fixture(scope="module")
 def server(model_dir, workdir):
     with ServerProcess(model_dir, workdir, "--served-model-name", NAME, "--max-model-len", "256",
-                       "--kv-cache-memory-mb", "1", "--max-num-seqs", "64", prelude=PRELUDE) as srv:
+                       "--kv-cache-memory-bytes", "1MiB", "--max-num-seqs", "64", prelude=PRELUDE) as srv:
         yield srv
 
 
@@ -363,7 +363,7 @@ def test_faults_under_load_lose_nothing(server, model_dir, adapter, n_requests, 
                                                   "unsloth_rollout_engine_errors_total")}
     record = {
         "test": f"tests/test_reliability_faults.py::{request.node.name}",
-        "server": "tiny random Qwen2.5-VL, --kv-cache-memory-mb 1 (128 blocks x 16 tokens), --max-model-len 256",
+        "server": "tiny random Qwen2.5-VL, --kv-cache-memory-bytes 1MiB (128 blocks x 16 tokens), --max-model-len 256",
         "workers": WORKERS, "min_requests_per_worker": n_requests, "chaos_cycles": cycles,
         "requests": len(chaos.results),
         "outcomes_by_kind": counts, "lost": len(lost), "wall_s": round(wall, 1),

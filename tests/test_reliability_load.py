@@ -46,7 +46,7 @@ def model_dir():
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     with ServerProcess(model_dir, tmp_path_factory.mktemp("load"), "--served-model-name", NAME,
-                       "--max-model-len", "256", "--kv-cache-memory-mb", "16", "--max-num-seqs", "256") as srv:
+                       "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "256") as srv:
         yield srv
 
 

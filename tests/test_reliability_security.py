@@ -56,7 +56,7 @@ def server(media_dir, workdir):
     with ServerProcess(model_dir, workdir, "--served-model-name", NAME, "--api-key", KEY,
                        "--max-model-len", str(MAX_MODEL_LEN), "--allowed-local-media-path", str(media_dir),
                        "--max-body-mb", "1", "--max-images-per-request", "2", "--max-image-pixels", "10000",
-                       "--max-n", "4", "--kv-cache-memory-mb", "8", host_arg=False) as srv:  # default host
+                       "--max-n", "4", "--kv-cache-memory-bytes", "8MiB", host_arg=False) as srv:  # default host
         yield srv
 
 

@@ -62,10 +62,10 @@ def server(model_dir, media_dir, workdir):
     log = open(workdir / "server.log", "w")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unsloth_rollout.serve", model_dir, "--port", str(port), "--backend", "transformers",
+        [sys.executable, "-m", "unsloth_rollout.serve", model_dir, "--port", str(port), "--model-backend", "transformers",
          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME, "--max-images-per-request", "2",
          "--max-n", "8", "--max-image-pixels", "10000", "--allowed-local-media-path", str(media_dir),
-         "--kv-cache-memory-mb", "64", "--log-level", "warning"],
+         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180

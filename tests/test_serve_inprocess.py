@@ -107,7 +107,7 @@ def test_cli_parses_vllm_style_arguments():
 
     args = build_parser().parse_args(["serve", "/m", "--lora", "a=/p/a", "b=/p/b", "--port", "9001", "--api-key",
                                       "k", "--served-model-name", "pol", "--allow-remote-images",
-                                      "--max-model-len", "1024", "--backend", "transformers", "--load-in-4bit"])
+                                      "--max-model-len", "1024", "--model-backend", "transformers", "--load-in-4bit"])
     assert args.model == "/m" and args.port == 9001 and args.api_key == "k" and args.served_model_name == ["pol"]
     assert args.allow_remote_images and args.load_in_4bit and args.max_model_len == 1024
     assert _parse_loras(args.lora) == [("a", "/p/a"), ("b", "/p/b")]

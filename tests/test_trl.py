@@ -235,7 +235,7 @@ def test_bench_trl_workload_runs_both_paths(tmp_path, capsys):
 
     out = tmp_path / "trl.json"
     assert main(["--workload", "trl", "--model", "tiny-vlm", "--prompts", "2", "--group", "3", "--max-new-tokens",
-                 "4", "--lora", "4", "--no-progress", "--json", str(out)]) == 0
+                 "4", "--lora-rank", "4", "--no-progress", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [r["backend"] for r in rep["results"]] == ["engine", "trl-generate"]
     for r in rep["results"]:

@@ -28,6 +28,6 @@ python -m unsloth_rollout.testing.tiny --arch qwen2_5_vl --size 3b --out /tmp/mo
 for q in 16bit 4bit; do
   extra=""; [ "$q" = 4bit ] && extra="--load-in-4bit"
   timeout 240 python -m unsloth_rollout.bench --model /tmp/models/q3b --workload grpo --prompts 16 --group 8 \
-    --max-new-tokens 256 --backends engine,hf-batched,vllm --lora 16 $extra --no-progress \
+    --max-new-tokens 256 --backends engine,hf-batched,vllm --lora-rank 16 $extra --no-progress \
     --json "$OUT/bench_q3b_$q.json" --markdown "$OUT/bench_q3b_$q.md" 2>&1 | tail -25 || true
 done

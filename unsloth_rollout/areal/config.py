@@ -7,12 +7,13 @@ In YAML::
     unsloth:
       load_in_4bit: true
       finetune_vision_layers: true
-      kv_cache_memory_bytes: 4294967296
+      engine:                       # EngineConfig, the same fields as the Python API
+        kv_cache_memory_bytes: 4294967296
 
 Example::
 
     config, _ = load_expr_config(["--config", "tiny_cpu_grpo.yaml"], UnslothPPOConfig)
-    config.unsloth.engine_options()   # -> EngineConfig keyword arguments
+    config.unsloth.engine             # -> EngineConfig
 """
 
 from __future__ import annotations
@@ -38,15 +39,8 @@ class UnslothConfig:
     lora_dropout: float = 0.0
     random_state: int | None = field(default=None, metadata={"help": "seed for the LoRA initialisation"})
     seed: int | None = field(default=None, metadata={"help": "rollout sampler seed (None: the experiment seed)"})
-    # RolloutEngine sizing (EngineConfig)
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.3
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_prefill_tokens: int = 4096
-    block_size: int = 16
-    prefix_cache: bool = True
-    suppress_vision_tokens: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig,
+                                 metadata={"help": "RolloutEngine settings (EngineConfig, as in the Python API)"})
 
     def load_options(self) -> dict:
         """``load_model`` keyword arguments (the LoRA rank/alpha/targets come from ``actor``)."""
@@ -60,9 +54,10 @@ class UnslothConfig:
                 "max_seq_length": self.max_seq_length, "lora": lora}
 
     def engine_options(self) -> dict:
-        """``EngineConfig`` keyword arguments."""
-        names = EngineConfig.__dataclass_fields__
-        return {k: getattr(self, k) for k in names if hasattr(self, k)}
+        """``EngineConfig`` keyword arguments (of the nested ``engine`` section)."""
+        from dataclasses import fields
+
+        return {f.name: getattr(self.engine, f.name) for f in fields(EngineConfig)}
 
 
 @dataclass

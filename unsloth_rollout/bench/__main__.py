@@ -17,6 +17,8 @@ from .backends import BACKENDS
 from .harness import MODELS
 from .workloads import SHAPES, WORKLOADS
 
+from ..engine.config import parse_bytes
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -34,16 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma-separated; those that cannot run here are listed with the reason")
-    p.add_argument("--lora", type=int, default=16, help="LoRA rank (random, non-zero B); 0 = no LoRA")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (random, non-zero B); 0 = no LoRA")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: float32 on CPU, bfloat16 on GPUs that have it)")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (LoRA in --dtype)")
-    p.add_argument("--policy-backend", default="transformers", choices=["transformers", "unsloth", "auto"],
+    p.add_argument("--model-backend", default="transformers", choices=["transformers", "unsloth", "auto"],
                    help="how load_model builds the policy every backend shares")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (outputs run to their budget)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="the engine's KV cache budget")
+    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=1 << 30,
+                   help="the engine's KV cache budget in bytes, e.g. 1073741824 or 1GiB")
     p.add_argument("--hf-sequential-max", type=int, default=24,
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
@@ -83,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_bench(
             model=args.model, workload=args.workload, prompts=args.prompts, group=args.group,
             max_new_tokens=args.max_new_tokens, backends=[b.strip() for b in args.backends.split(",") if b.strip()],
-            lora=args.lora, seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
-            kv_cache_gib=args.kv_cache_gib, hf_sequential_max=args.hf_sequential_max,
+            lora=args.lora_rank, seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes, hf_sequential_max=args.hf_sequential_max,
             hf_batch_groups=args.hf_batch_groups, drift_samples=args.drift_samples, repeats=args.repeats,
-            policy_backend=args.policy_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+            model_backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
             progress=not args.no_progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot_out)), exist_ok=True)
         plot(report, args.plot_out)
+    if report.get("failed"):  # a failing backend, the engine included, is a failed run
+        print("error: backends failed: " + ", ".join(report["failed"]), file=sys.stderr)
+        return 1
     return 0 if report["results"] else 1
 
 
@@ -108,8 +114,9 @@ def _main_trl(args) -> int:
 
     g = SHAPES["grpo"]
     report = run_trl_bench(model=args.model, prompts=args.prompts or g.prompts, group=args.group or g.group,
-                           max_new_tokens=args.max_new_tokens or g.max_new_tokens, lora=args.lora, seed=args.seed,
-                           temperature=args.temperature, repeats=args.repeats, kv_cache_gib=args.kv_cache_gib,
+                           max_new_tokens=args.max_new_tokens or g.max_new_tokens, lora=args.lora_rank, seed=args.seed,
+                           temperature=args.temperature, repeats=args.repeats,
+                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                            progress=not args.no_progress)
     table = markdown(report)
     print(table)

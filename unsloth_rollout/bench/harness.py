@@ -36,7 +36,7 @@ MODELS = {
 }
 
 
-def resolve_model(name: str) -> str:
+def model_path(name: str) -> str:
     """A model folder for ``name``: one of MODELS (built offline on first use) or a path."""
     if name in MODELS:
         from ..testing.tiny import tiny_model_path
@@ -305,9 +305,9 @@ def _run_backend(name: str, ctx: BenchContext, lm, roof: dict, drift_samples: in
 
 def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | None = None, group: int | None = None,
               max_new_tokens: int | None = None, backends: list[str] | None = None, lora: int = 16,
-              seed: int = 0, temperature: float = 1.0, ignore_eos: bool = False, kv_cache_gib: float = 1.0,
+              seed: int = 0, temperature: float = 1.0, ignore_eos: bool = False, kv_cache_memory_bytes: int = 1 << 30,
               hf_sequential_max: int = 24, hf_batch_groups: int = 1, drift_samples: int = 8, repeats: int = 1,
-              policy_backend: str = "transformers", dtype: str | None = None, load_in_4bit: bool = False,
+              model_backend: str = "transformers", dtype: str | None = None, load_in_4bit: bool = False,
               progress: bool = True) -> dict:
     """Run ``backends`` on one seeded workload; returns the report dict that ``--json`` writes.
 
@@ -324,15 +324,15 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
         raise ValueError(f"--lora must be >= 0 (0 = no LoRA), got {lora}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    path = resolve_model(model)
+    path = model_path(model)
     torch.manual_seed(seed)
-    policy = load_model(path, backend=policy_backend, lora={"r": lora, "random_state": seed} if lora else None,
+    policy = load_model(path, backend=model_backend, lora={"r": lora, "random_state": seed} if lora else None,
                         dtype=dtype, load_in_4bit=load_in_4bit)
     if lora:
         _perturb_lora(policy, seed)
     policy.inference()
     wl = build_workload(policy, workload, prompts, group, max_new_tokens, temperature, ignore_eos, seed)
-    ctx = BenchContext(policy, wl, lora, kv_cache_bytes=int(kv_cache_gib * 2**30),
+    ctx = BenchContext(policy, wl, lora, kv_cache_bytes=kv_cache_memory_bytes,
                        hf_sequential_max=hf_sequential_max, hf_batch_groups=hf_batch_groups)
     device = policy.device
     wbytes, decoder_params, head_params = text_weights(policy)
@@ -381,6 +381,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
             report["results"].append(best[name])
         else:
             report["skipped"].append({"backend": name, "reason": failed[name]})
+    report["failed"] = sorted(failed)
     eng = best.get("engine")
     for r in report["results"]:
         if eng is not None and r["output_tokens_per_s"] > 0:

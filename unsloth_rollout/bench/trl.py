@@ -61,7 +61,7 @@ def _time_generate(trainer, prompts) -> tuple[float, list[list[int]]]:
 
 def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, max_new_tokens: int = 128,
                   lora: int = 16, seed: int = 0, temperature: float = 1.0, repeats: int = 1,
-                  kv_cache_gib: float = 1.0, progress: bool = True) -> dict:
+                  kv_cache_memory_bytes: int = 1 << 30, progress: bool = True) -> dict:
     """Returns the report dict (``--json``): per backend wall seconds, output tokens/s, and the ratio."""
     import sys
 
@@ -73,16 +73,16 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     from ..models import load_model
     from ..trl import rollout_func
     from ..trl.toy import grpo_config
-    from .harness import _perturb_lora, cpu_pressure, machine_info, resolve_model
+    from .harness import _perturb_lora, cpu_pressure, machine_info, model_path
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(seed)
-    path = resolve_model(model)
+    path = model_path(model)
     lora_opts = {"r": lora, "finetune_vision_layers": True, "random_state": seed} if lora else None
     policy = load_model(path, backend="transformers", lora=lora_opts)
     if lora:
         _perturb_lora(policy, seed)
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=int(kv_cache_gib * 2**30)), seed=seed)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=kv_cache_memory_bytes), seed=seed)
     rows = _dataset(policy, prompts, seed)
     gen_prompts = _generation_prompts(rows, group)
     out_dir = tempfile.mkdtemp(prefix="unsloth_rollout_trl_bench_")

@@ -7,6 +7,7 @@ Errors name the field, so a front end can hand them to the user as they are::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 
@@ -16,6 +17,24 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text) -> int:
+    """A byte count from an int or a string such as "1073741824", "512MiB", "8GiB" or "1.5GB".
+
+    The one unit of every memory setting (``kv_cache_memory_bytes``) on every front end.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"expected a byte count such as 1073741824, 512MiB or 8GiB; got {text!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
 def _check(cond: bool, name: str, message: str) -> None:

@@ -323,7 +323,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         """``{"prompt": "text"}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
-        state.resolve_model(req.model)
+        state.adapter_for(req.model)
         if req.prompt is not None:
             ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         else:
@@ -349,7 +349,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         """``{"tokens": [...]}`` -> ``{"prompt": text}``."""
-        state.resolve_model(req.model)
+        state.adapter_for(req.model)
         vocab = len(state.tokenizer)
         bad = next((t for t in req.tokens if t < 0 or t >= vocab), None)
         if bad is not None:

@@ -13,13 +13,16 @@ import logging
 import os
 import sys
 
+from ..engine.config import parse_bytes
+
 logger = logging.getLogger("unsloth_rollout.serve")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("model", help="model folder (or hub name when online)")
     g = p.add_argument_group("model")
-    g.add_argument("--backend", choices=("auto", "unsloth", "transformers"), default="auto")
+    g.add_argument("--model-backend", choices=("auto", "unsloth", "transformers"), default="auto",
+                   help="load_model backend")
     g.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 weights")
     g.add_argument("--dtype", default=None, help="torch dtype name (default: fp32 on CPU, bf16 on GPUs that have it)")
     g.add_argument("--device", default=None)
@@ -27,7 +30,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    metavar="NAME=PATH", help="PEFT adapters to load at start; requests select them by NAME")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
-    g.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV cache budget (default: a fraction of "
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="KV cache budget in bytes, e.g. 1073741824 or 8GiB (default: a fraction of "
                    "free memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -69,10 +73,10 @@ def build_app(args: argparse.Namespace):
     from .app import create_app
 
     loras = _parse_loras(args.lora)
-    policy = load_model(args.model, backend=args.backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+    policy = load_model(args.model, backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         max_seq_length=args.max_model_len, device=args.device)
     config = EngineConfig(
-        kv_cache_memory_bytes=args.kv_cache_memory_mb << 20 if args.kv_cache_memory_mb else None,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache)
     engine = RolloutEngine(policy, config, seed=args.seed)

@@ -175,7 +175,7 @@ def _expand(ids: list[int], image_token_id, counts: list[int]) -> list[int]:
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     engine = state.engine
-    lora = state.resolve_model(req.model)
+    lora = state.adapter_for(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError("when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -223,7 +223,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
-    lora = state.resolve_model(req.model)
+    lora = state.adapter_for(req.model)
     if req.suffix:
         raise APIError("suffix is not supported by this server", param="suffix")
     p = req.prompt

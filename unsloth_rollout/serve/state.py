@@ -54,7 +54,7 @@ class ServerState:
     def model_name(self) -> str:
         return self.options.served_model_names[0]
 
-    def resolve_model(self, name: str | None) -> str | None:
+    def adapter_for(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the served policy); 404 when unknown."""
         if not name or name in self.options.served_model_names or name == self.options.model_path:
             return None

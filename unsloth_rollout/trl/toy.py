@@ -79,12 +79,12 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     from trl import GRPOTrainer
 
     from .. import EngineConfig, RolloutEngine, load_model
-    from ..bench.harness import resolve_model
+    from ..bench.harness import model_path
     from . import rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(seed)
-    path = resolve_model(model)
+    path = model_path(model)
     policy = load_model(path, backend="transformers", lora={"r": 8, "lora_alpha": 16, "finetune_vision_layers": True,
                                                             "random_state": seed})
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, max_model_len=512), seed=seed)
