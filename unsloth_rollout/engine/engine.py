@@ -265,7 +265,7 @@ class RolloutEngine:
             raise InvalidRequestError("request", f"expected a GenerationRequest, got {type(req).__name__}")
         if req.lora_name is not None and req.lora_name not in self.lora_adapters:
             raise InvalidRequestError("lora_name", f"adapter {req.lora_name!r} is not loaded")
-        prompt = self.inputs.prepare(req)
+        prompt = req.prepared if req.prepared is not None else self.inputs.prepare(req)
         sp = req.sampling
         plen = len(prompt.prompt_ids)
         if plen >= self.max_model_len:

@@ -34,6 +34,9 @@ class GenerationRequest:
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
     lora_name: str | None = None
+    # A PreparedPrompt a front end already made with ``engine.inputs.prepare(request)`` (to count the expanded
+    # prompt before queueing); the engine then uses it instead of tokenizing and processing images again.
+    prepared: Any = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.request_id is None:

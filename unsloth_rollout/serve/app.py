@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine import EngineStopped, InvalidRequestError
+from ..engine import EngineStopped, GenerationRequest, InvalidRequestError
 from . import completions as comp
 from .media import MediaPolicy
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
@@ -328,7 +328,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         else:
             kwargs = comp.template_kwargs(req.chat_template_kwargs)
-            messages, images = await state.media.resolve_messages(comp._normalize_messages(req.messages),
+            messages, images = await state.media.resolve_messages(comp.normalize_messages(req.messages),
                                                                   accept_images=engine.policy.is_vlm)
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             if req.continue_final_message:
@@ -340,7 +340,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             except InvalidRequestError as e:
                 raise APIError(str(e), param=e.field) from None
             ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
-            ids = comp._expand(ids, getattr(engine.inputs, "image_token_id", None), comp._image_tokens(state, images))
+            ids = comp.prepare_prompt(state, GenerationRequest(input_ids=ids, images=images or None), "messages")
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)

@@ -118,7 +118,7 @@ def _max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, par
     return max_tokens
 
 
-def _normalize_messages(messages: list) -> list[dict]:
+def normalize_messages(messages: list) -> list[dict]:
     """Check roles; parse assistant tool-call arguments (JSON strings) into objects for the template."""
     out = []
     for i, m in enumerate(messages):
@@ -147,30 +147,14 @@ def _template_call(call, where: str) -> dict:
     return {**call, "function": {**fn, "arguments": args}}
 
 
-def _image_tokens(state: ServerState, images: list) -> list[int]:
-    """Tokens each image expands to (so prompt length checks count them); 1 each when unknown."""
-    proc = state.engine.policy.processor
+def prepare_prompt(state: ServerState, greq: GenerationRequest, param: str) -> list[int]:
+    """The engine's own preparation of ``greq`` (chat rendering done, images processed and placeholders
+    expanded), kept on the request so the engine does not repeat it; returns the expanded prompt ids."""
     try:
-        data = proc._get_num_multimodal_tokens(image_sizes=[(im.height, im.width) for im in images])
-        counts = [int(c) for c in data.num_image_tokens]
-        if len(counts) == len(images):
-            return counts
-    except Exception:
-        pass
-    return [1] * len(images)
-
-
-def _expand(ids: list[int], image_token_id, counts: list[int]) -> list[int]:
-    if not counts or image_token_id is None:
-        return ids
-    out, k = [], 0
-    for t in ids:
-        if t == image_token_id and k < len(counts):
-            out.extend([t] * counts[k])
-            k += 1
-        else:
-            out.append(t)
-    return out
+        greq.prepared = state.engine.inputs.prepare(greq)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=param if e.field == "input_ids" else e.field) from None
+    return greq.prepared.prompt_ids
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
@@ -191,7 +175,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         raise APIError("tool_choice 'required' needs tools", param="tool_choice")
 
     kwargs = template_kwargs(req.chat_template_kwargs)
-    messages = _normalize_messages(req.messages)
+    messages = normalize_messages(req.messages)
     messages, images = await state.media.resolve_messages(messages, accept_images=engine.policy.is_vlm)
     add_generation_prompt = req.add_generation_prompt is not False
     if req.continue_final_message:
@@ -208,16 +192,15 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     prefix = forced_prefix(state.tool_parser, choice, tools) if choice == "required" or isinstance(choice, dict) \
         else ""
     ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
-    counts = _image_tokens(state, images)
-    expanded = _expand(ids, getattr(engine.inputs, "image_token_id", None), counts)
+    greq = GenerationRequest(input_ids=ids, images=images or None, request_id=uuid.uuid4().hex, lora_name=lora)
+    expanded = prepare_prompt(state, greq, "messages")
 
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(state, len(expanded), max_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sp = _sampling(state, req, max_tokens, top, "top_logprobs")
-    greq = GenerationRequest(input_ids=ids, images=images or None, sampling=sp, request_id=uuid.uuid4().hex,
-                             lora_name=lora)
+    greq.sampling = _sampling(state, req, max_tokens, top, "top_logprobs")
+    sp = greq.sampling
     return Prepared([greq], [expanded], sp.n, top, bool(req.return_tokens_as_token_ids), "messages",
                     prompt_text=text + prefix, prefix=prefix, tools=tools, tool_choice=choice)
 
