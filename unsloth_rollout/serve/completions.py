@@ -333,19 +333,14 @@ def completion_response(state, req: CompletionRequest, prep: Prepared, results: 
 
 
 # ====================================================================== streaming
-def _stop_hold(prep: Prepared) -> int:
-    """Characters to hold back while streaming: a stop string cut from the final text must not be sent."""
-    return max((len(x) for x in prep.requests[0].sampling.stop), default=1) - 1
-
-
 async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream: EngineStream, rid: str):
     model = req.model or state.model_name
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     n = prep.n
-    hold = _stop_hold(prep)
-    guards = [StreamGuard(state.tool_parser if prep.parse_tools else None, hold) for _ in range(n)]
+    # The engine's deltas already hold back text a stop string may still cut; the guard holds tool calls.
+    guards = [StreamGuard(state.tool_parser if prep.parse_tools else None) for _ in range(n)]
     texts, ntoks = [""] * n, [0] * n
     prompt_len = len(prep.prompt_ids[0])
 
@@ -411,7 +406,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
     n = prep.n
     total = len(prep.requests) * n
     sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
-    guards = [StreamGuard(None, _stop_hold(prep)) for _ in range(total)]
+    guards = [StreamGuard(None) for _ in range(total)]
     texts = [""] * total
     prompt_tokens = sum(len(p) for p in prep.prompt_ids)
 

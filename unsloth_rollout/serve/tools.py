@@ -161,21 +161,20 @@ def parse_forced(prefix: str, text: str, parser: str, tool_choice) -> ToolParse:
 
 
 class StreamGuard:
-    """Holds back streamed text that may still change: a possible tool call, or a possible stop string.
+    """Holds back streamed text that may still change: a possible tool call (the engine's deltas already
+    hold back text a stop string may still cut).
 
     ``feed(full_text)`` returns the new text that is safe to send now. At the end, ``finish(parse, text)``
     returns what is still owed: the parsed content (or the final text) past what was sent. ``parser``
-    None: no tool calls expected; ``hold_chars``: the longest stop string minus one (a stop string cut
-    from the final text must never have been sent).
+    None: no tool calls expected.
     """
 
-    def __init__(self, parser: str | None, hold_chars: int = 0):
+    def __init__(self, parser: str | None):
         self.parser = parser
-        self.hold = max(0, hold_chars)
         self.sent = 0
 
     def _safe_end(self, text: str) -> int:
-        end = len(text) - self.hold
+        end = len(text)
         if self.parser is None:
             return end
         if self.parser == "llama3_json" or self.parser == "transformers":
