@@ -120,11 +120,3 @@ def test_stream_guard_never_leaks_a_call():
     sent = g.feed("a <tool")
     assert sent == "a "
     assert sent + g.finish(parse_hermes("a <tool"), "a <tool") == "a <tool"
-
-
-def test_stream_guard_holds_back_a_possible_stop_string():
-    g = StreamGuard(None, hold_chars=2)  # longest stop string: 3 characters
-    sent = g.feed("hello") + g.feed("hello wo") + g.feed("hello wor")
-    assert sent == "hello w"
-    # The stop string "orl" matched: the final text is cut before it; nothing already sent is lost.
-    assert sent + g.finish(None, "hello w") == "hello w"
