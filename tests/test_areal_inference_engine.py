@@ -195,7 +195,7 @@ def test_agenerate_contract_matches_teacher_forced_forward(make_engine, text_pol
         else:
             assert resp.stop_reason == "length" and len(resp.output_tokens) == 24
         oracle = teacher_forced_logprobs(text_policy, ids, resp.output_tokens, 1.0 if greedy else temperature)
-    assert torch.allclose(torch.tensor(resp.output_logprobs), oracle, atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(resp.output_logprobs), oracle, atol=1e-5, rtol=0), temperature
     # max_tokens caps prompt + output, as RemoteInfEngine does.
     g = GenerationHyperparameters(max_new_tokens=50, max_tokens=len(ids) + 3, ignore_eos=True)
     resp = _agen(engine, ModelRequest(input_ids=list(ids), gconfig=g, tokenizer=tok))
