@@ -11,6 +11,8 @@ import time
 import pytest
 from _reliability_helpers import figures_root
 
+from unsloth_rollout.testing.figures import plot_reward_curve
+
 pytest.importorskip("areal")
 pytestmark = pytest.mark.areal
 
@@ -45,25 +47,5 @@ def test_grpo_learns_toy_reward_on_cpu(tmp_path):
         "end_mean_reward": end, "wall_s": round(wall, 1),
     }
     OUT.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    _plot(rewards, OUT.with_suffix(".png"))
+    plot_reward_curve(rewards, OUT.with_suffix(".png"), "AReaL PPOTrainer + unsloth backend, tiny VLM on CPU")
     assert end >= 3 * start or end >= 0.8, f"reward {start:.3f} -> {end:.3f}: {rewards}"
-
-
-def _plot(rewards, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the JSON is the record; the picture is a convenience
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", ms=3)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward (batch)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("AReaL PPOTrainer + unsloth backend, tiny VLM on CPU")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

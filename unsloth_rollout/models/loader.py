@@ -12,7 +12,6 @@ import importlib.util
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
-import io
 import os
 import urllib.parse
 from dataclasses import dataclass

@@ -15,10 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
-import tempfile
 
 _FORMAT_VERSION = "f1"
 _MARKER = "unsloth_rollout_family.json"
@@ -50,24 +47,10 @@ def family_model_path(family: str, seed: int = 0) -> pathlib.Path:
     """Path of the cached tiny ``family`` model, building it first (atomically) if needed."""
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    from .tiny import _cache_root
+    from .tiny import _cache_root, cached_build
 
     path = _cache_root() / "families" / f"{family}-s{seed}-{_FORMAT_VERSION}"
-    if (path / _MARKER).is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        _write(tmp, family, seed)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / _MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_build(path, _MARKER, lambda tmp: _write(tmp, family, seed))
 
 
 def _write(path: pathlib.Path, family: str, seed: int) -> None:

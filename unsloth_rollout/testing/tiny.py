@@ -270,20 +270,26 @@ def build_tiny_model(
         return path
 
     path = _cache_root() / "tiny" / f"{arch}-{size}-s{seed}-{_FORMAT_VERSION}"
-    if (path / _MARKER).is_file():
+    return cached_build(path, _MARKER, lambda tmp: _write_model(tmp, arch, size, seed))
+
+
+def cached_build(path: pathlib.Path, marker: str, write) -> pathlib.Path:
+    """``path`` if ``path/marker`` exists, else ``write(tmp)`` into a private folder renamed into place
+    (atomic: concurrent test workers are safe). ``write`` must create ``marker`` last."""
+    if (path / marker).is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _write_model(tmp, arch, size, seed)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
-        if path.exists() and not (path / _MARKER).is_file():
+        if path.exists() and not (path / marker).is_file():
             shutil.rmtree(path, ignore_errors=True)  # a leftover from an interrupted non-atomic copy
         try:
             os.rename(tmp, path)
         except OSError:
             # Another process renamed its identical build into place first; keep that one.
-            if not (path / _MARKER).is_file():
+            if not (path / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

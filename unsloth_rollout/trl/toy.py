@@ -118,28 +118,11 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-        _plot(rewards, Path(out).with_suffix(".png"))
+        from ..testing.figures import plot_reward_curve
+
+        plot_reward_curve(rewards, Path(out).with_suffix(".png"),
+                          "TRL GRPOTrainer + unsloth_rollout engine, tiny VLM on CPU")
     return record
-
-
-def _plot(rewards, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the JSON is the record
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", ms=3)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward (batch)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("TRL GRPOTrainer + unsloth_rollout engine, tiny VLM on CPU")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
