@@ -94,12 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    table = markdown(report)
-    print(table)
-    if args.json_out:
-        _write(args.json_out, json.dumps(report, indent=2) + "\n")
-    if args.markdown_out:
-        _write(args.markdown_out, table)
+    _report(args, report, markdown(report))
     if args.plot_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot_out)), exist_ok=True)
         plot(report, args.plot_out)
@@ -118,13 +113,17 @@ def _main_trl(args) -> int:
                            temperature=args.temperature, repeats=args.repeats,
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                            progress=not args.no_progress)
-    table = markdown(report)
+    _report(args, report, markdown(report))
+    return 0
+
+
+def _report(args, report: dict, table: str) -> None:
+    """Print the table; write the JSON record and the markdown table where asked."""
     print(table)
     if args.json_out:
         _write(args.json_out, json.dumps(report, indent=2) + "\n")
     if args.markdown_out:
         _write(args.markdown_out, table)
-    return 0
 
 
 def _write(path: str, text: str) -> None:
