@@ -293,6 +293,7 @@ def _run_backend(name: str, ctx: BenchContext, lm, roof: dict, drift_samples: in
     return {
         "backend": name, "output_tokens_per_s": out_tokens / wall, "prompt_tokens_per_s": prompt_tokens / wall,
         "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
+        "ttft_estimated": out.ttft_override is not None,
         "peak_memory_bytes": mem.peak_bytes, "logprob_drift": drift, "ratio_vs_engine": None,
         "drift_samples_checked": checked, "requests": len(requests), "requests_run": len(out.samples),
         "output_tokens": out_tokens, "prompt_tokens": prompt_tokens, "wall_s": wall, "cpu_s": cpu,

@@ -13,6 +13,12 @@ def _mem(b) -> str:
     return f"{b / 2**20:.0f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
 
 
+def _ttft(row: dict, key: str) -> str:
+    """TTFT cell; an estimate (hf-sequential runs a subset and extrapolates) says so."""
+    cell = _fmt(row[key], ".2f")
+    return f"{cell} (est.)" if row.get("ttft_estimated") and row[key] is not None else cell
+
+
 def markdown(report: dict) -> str:
     """The results table, skipped backends with their reason, notes and the roofline line."""
     m, w = report["machine"], report["workload"]
@@ -33,7 +39,7 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"| {r['backend']} | {_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['prompt_tokens_per_s'], '.1f')} "
-            f"| {_fmt(r['ttft_p50_s'], '.2f')} | {_fmt(r['ttft_p99_s'], '.2f')} | {_mem(r['peak_memory_bytes'])} "
+            f"| {_ttft(r, 'ttft_p50_s')} | {_ttft(r, 'ttft_p99_s')} | {_mem(r['peak_memory_bytes'])} "
             f"| {_fmt(r['ratio_vs_engine'], '.2f', 'n/a')}x | {_fmt(r['logprob_drift'], '.1e', 'n/a')} "
             f"| {_fmt(r.get('achieved_weight_bandwidth_gbs'), '.2f')} | {_fmt(r.get('achieved_weight_gflops'), '.1f')} "
             f"| {r.get('lora', '-')} |")
