@@ -163,7 +163,8 @@ class RolloutEngine:
         (``EngineConfig(recompute_on_weight_change=False)`` keeps their stale cache instead and says so
         per token in ``output_kv_versions``.) ``version``: stamp later tokens with it (None: unchanged).
         ``lora_name``: only the served adapter of that name changed (the base and other adapters did not).
-        Cheap and non-blocking (the work happens at the next step boundary); safe from any thread.
+        Never blocks, safe from any thread: done now when no step runs (e.g. while paused), else at the
+        start of the next step, before any token is sampled.
         """
         with self._cond:
             if lora_name is None:
@@ -173,6 +174,11 @@ class RolloutEngine:
             if version is not None:
                 self._version = int(version)
             self._cond.notify_all()
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_weight_changes(self._weights_stamp()[1])
+            finally:
+                self._step_lock.release()
 
     def _weights_stamp(self):
         """A snapshot of (version, stamp_of(lora_name)) taken at the start of a step."""
