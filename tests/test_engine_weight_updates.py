@@ -276,3 +276,24 @@ def test_same_through_areal_colocated_update(policy):
     assert g.output_tokens[k:] == hf_greedy(policy, list(greedy) + g.output_tokens[:k], len(g.output_tokens) - k)
     rollout.destroy()
     trainer.destroy()
+
+
+def test_server_sleep_and_wake_up_keep_a_pause(qwen2_dir):
+    """/pause then /sleep then /wake_up: still paused (the server's pause is its own); /resume releases it."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from unsloth_rollout.serve import create_app
+
+    eng = RolloutEngine(load_model(qwen2_dir, backend="transformers"), EngineConfig(kv_cache_memory_bytes=8 << 20))
+    with TestClient(create_app(eng, served_model_name="m", owns_engine=True)) as c:
+        assert c.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert c.post("/sleep").status_code == 200 and c.post("/wake_up").status_code == 200
+        assert c.get("/is_paused").json() == {"is_paused": True}
+        eng.pause(holder="trainer")
+        assert c.post("/resume").status_code == 200
+        assert c.get("/is_paused").json() == {"is_paused": True}, "/resume released a trainer's pause"
+        eng.resume(holder="trainer")
+        assert c.get("/is_paused").json() == {"is_paused": False}
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
