@@ -21,7 +21,7 @@ from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, Samp
 
 SHARED = "Alice and Bob count the red apples in the"  # the prompt of the two sampled groups (prefix cache)
 GREEDY = "the lazy dog sleeps while"
-MAX_NEW = 32
+MAX_NEW = 48
 TOL = 1e-5
 
 
