@@ -328,7 +328,8 @@ class RolloutEngine:
     def stats(self) -> dict:
         s = dict(self._stats)
         s.update(
-            version=self._version, paused=self._paused, paused_by=sorted(self.paused_by), num_running=len(self.scheduler.running),
+            version=self._version, paused=self._paused, paused_by=sorted(self.paused_by),
+            num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._inbox), kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks, kv_block_size=self.kv.block_size,
             kv_cache_bytes=self.kv.memory_bytes, kv_usage=1 - self.kv.num_free_blocks / self.kv.num_blocks,

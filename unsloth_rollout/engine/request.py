@@ -51,9 +51,10 @@ class GenerationOutput:
     mid-generation recomputes the cached positions first). ``output_kv_versions[i]`` is the oldest weight
     version among the cached positions token i attended to; it differs from ``output_versions[i]`` only
     when ``EngineConfig(recompute_on_weight_change=False)`` kept a stale cache. ``finish_reason`` is
-    "stop" (EOS, stop id or stop string; an EOS or stop id stays in ``output_ids``), "length" or "abort". ``stop_reason`` is the
-    matched stop string or token id, when there is one. ``error`` is set when the request was
-    rejected or failed (then ``finish_reason`` is "abort").
+    "stop" (EOS, stop id or stop string; an EOS or stop id stays in ``output_ids``), "length" or "abort".
+    ``stop_reason`` is the matched stop string or token id, when there is one. ``error`` is set when the
+    request was rejected or failed (then ``finish_reason`` is "abort"; a non-finite logprob fails the sample
+    with an error starting "NonFiniteLogprob" rather than being returned).
     """
 
     request_id: str
