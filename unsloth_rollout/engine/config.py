@@ -42,8 +42,8 @@ class SamplingParams:
     ``temperature=0`` is greedy, and so is any temperature below ``SAMPLING_EPS`` (1e-5, as in vLLM): such a
     request is sampled and scored as greedy (logprobs at T = 1), never as ``logits / 1e-39``. ``seed`` makes a
     request reproducible whatever else shares its batch; sample i draws from a stream seeded by a hash of
-    (seed, i), so requests seeded s and s + 1 share none. ``logprobs`` is the number of top logprobs to return per token (the sampled token's own
-    logprob is always returned). Logprobs follow AReaL's convention:
+    (seed, i), so requests seeded s and s + 1 share none. ``logprobs`` is the number of top logprobs to
+    return per token (the sampled token's own logprob is always returned). Logprobs follow AReaL's convention:
     ``log_softmax(raw_logits / temperature)[token]`` (temperature 1 when greedy), before top-k/p,
     penalties and masks.
     """
