@@ -349,11 +349,14 @@ class UnslothInferenceEngine(InferenceEngine):
         self.workflow_executor.resume()
 
     def pause_generation(self) -> None:
-        """Stop decoding at a step boundary; in-flight sequences keep their tokens (partial rollout)."""
-        self.rollout_engine.pause("keep")
+        """Stop decoding at a step boundary; in-flight sequences keep their tokens (partial rollout).
+
+        The pause is AReaL's own ("areal"): continue_generation() releases it and no other (an offload, a
+        trainer's hold or a user's pause stay in place)."""
+        self.rollout_engine.pause("keep", holder="areal")
 
     def continue_generation(self) -> None:
-        self.rollout_engine.resume()
+        self.rollout_engine.resume(holder="areal")
 
     # ------------------------------------------------------------------ weights
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[None]:

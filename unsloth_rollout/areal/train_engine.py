@@ -361,15 +361,16 @@ class ColocatedTrainEngine(TrainEngine):
         """Keep the colocated engine from sampling between the first optimizer step and update_weights(),
         so every token is stamped with the version of the weights that produced it."""
         eng = self._colocated_rollout()
-        if eng is not None and not self._holding_generation and not eng.is_paused:
-            eng.pause("keep")  # before policy.lock: the engine takes its step lock, then policy.lock
+        if eng is not None and not self._holding_generation:
+            # A pause of its own ("trainer"): update_weights() releases this one and no one else's.
+            eng.pause("keep", holder="trainer")  # before policy.lock: the engine takes its step lock, then it
             self._holding_generation = True
 
     def _release_generation(self) -> None:
         eng = self._colocated_rollout()
         if eng is not None and self._holding_generation:
             self._holding_generation = False
-            eng.resume()
+            eng.resume(holder="trainer")
 
     def _colocated_rollout(self):
         if not self._colocated or self.rollout_engine is None:
@@ -458,7 +459,9 @@ class ColocatedTrainEngine(TrainEngine):
             engine._colocated_train_engine = self
 
     def update_weights(self, meta: WeightUpdateMeta):
-        """Colocated: stamp the new version on the engine and drop KV computed by the old weights.
+        """Colocated: stamp the new version on the engine and drop KV computed by the old weights (the
+        prefix cache, and the cache of sequences in flight: they are recomputed with the new weights before
+        their next token, so tokens stamped with the new version come from it).
 
         No parameter is copied or reloaded: the engine already holds these tensors.
         """
@@ -467,8 +470,7 @@ class ColocatedTrainEngine(TrainEngine):
         version = meta.version if meta.version is not None else self.get_version()
         if self._colocated:
             eng = self.rollout_engine.rollout_engine
-            eng.set_version(version)
-            eng.invalidate_prefix_cache()
+            eng.weights_changed(version)  # also when the version is unchanged: the weights did change
             self.policy.inference()
             self._release_generation()
             return
@@ -561,7 +563,7 @@ class ColocatedTrainEngine(TrainEngine):
             if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self._colocated:
-            self.rollout_engine.rollout_engine.invalidate_prefix_cache()
+            self.rollout_engine.rollout_engine.weights_changed()
 
     # ================================================================== misc
     def export_stats(self) -> dict[str, float]:

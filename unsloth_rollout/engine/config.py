@@ -7,8 +7,12 @@ Errors name the field, so a front end can hand them to the user as they are::
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow to inf/NaN.
+SAMPLING_EPS = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -54,9 +58,11 @@ def _is_num(v) -> bool:
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature=0`` is greedy. ``seed`` makes a request reproducible whatever else shares its
-    batch. ``logprobs`` is the number of top logprobs to return per token (the sampled token's own
-    logprob is always returned). Logprobs follow AReaL's convention:
+    ``temperature=0`` is greedy, and so is any temperature below ``SAMPLING_EPS`` (1e-5, as in vLLM): such a
+    request is sampled and scored as greedy (logprobs at T = 1), never as ``logits / 1e-39``. ``seed`` makes a
+    request reproducible whatever else shares its batch; sample i draws from a stream seeded by a hash of
+    (seed, i), so requests seeded s and s + 1 share none. ``logprobs`` is the number of top logprobs to
+    return per token (the sampled token's own logprob is always returned). Logprobs follow AReaL's convention:
     ``log_softmax(raw_logits / temperature)[token]`` (temperature 1 when greedy), before top-k/p,
     penalties and masks.
     """
@@ -83,14 +89,15 @@ class SamplingParams:
                f"must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                f"must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               "temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
                f"must be -1 (off) or >= 1, got {self.top_k!r}")
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be a finite number > 0, got {self.repetition_penalty!r}")
         _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty!r}")
         _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
@@ -111,7 +118,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def logprob_temperature(self) -> float:
@@ -141,6 +148,11 @@ class EngineConfig:
         suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
             the trainer's forward); logprobs are unaffected.
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
+        recompute_on_weight_change: when the weights change under sequences in flight (``set_version``,
+            ``weights_changed``, adapter or checkpoint loads), recompute their cached positions with the new
+            weights before their next token, so every token stamped v is sampled from and scored by weights v
+            (the default). False keeps the stale cache (faster, inexact): each output then says, per token,
+            the oldest weight version among the positions it attended to (``output_kv_versions``).
         decode_compile: run decode steps through ``torch.compile`` with bucketed shapes (batch and length
             padded to powers of two); ``compile_mode`` defaults to "reduce-overhead" (CUDA graphs) on GPU.
     """
@@ -153,6 +165,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     suppress_vision_tokens: bool = True
     prefix_cache: bool = True
+    recompute_on_weight_change: bool = True
     decode_compile: bool = False
     compile_mode: str | None = None
 

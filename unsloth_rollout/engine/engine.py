@@ -4,7 +4,10 @@
 sequence, sample, check stops, hand finished samples back. A background thread drives
 ``step()`` whenever there is work, so ``generate`` (blocking), ``agenerate`` (any event loop or
 thread) and ``stream`` all batch together. The engine holds the PolicyModel, never a copy: after
-an optimizer step and ``set_version(v + 1)`` the next tokens come from the new weights.
+an optimizer step and ``set_version(v + 1)`` the next tokens come from the new weights, and so does the
+cache they attend to: sequences in flight are recomputed with the new weights before their next token
+(``weights_changed`` is the one place every weight change goes through). Pauses are held by name
+(``pause(holder=...)``), so offload/onload, a trainer's hold and a user's pause never release each other.
 
 Example::
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
 import threading
 import time
@@ -111,14 +115,18 @@ class RolloutEngine:
         self._inbox: list[Sequence] = []
         self._abort_ids: set[str] = set()
         self._pending: dict[str, _Pending] = {}
-        self._paused = False
+        self._pause_holders: set[str] = set()  # paused while anyone holds a pause (see pause())
+        # Weights stamps: bumped by weights_changed(); KV computed under another stamp is stale.
+        self._weights_epoch = 0
+        self._adapter_epochs: dict[str, int] = {}
         self._stopped = False
         self._offloaded = False
         self._in_step = False
         self._thread: threading.Thread | None = None
         self._step_lock = threading.Lock()
         self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "requests": 0,
-                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0}
+                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0,
+                       "weight_recomputes": 0}
         logger.info("unsloth_rollout: KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
                     num_blocks, bs, self.kv.memory_bytes / 2**20, self.max_model_len)
 
@@ -139,31 +147,97 @@ class RolloutEngine:
         return self._version
 
     def set_version(self, version: int) -> None:
-        """Stamp tokens sampled from now on with ``version`` (call after each optimizer step)."""
-        with self._cond:
-            self._version = int(version)
-            self._cond.notify_all()
+        """Stamp tokens sampled from now on with ``version`` (call after each optimizer step).
 
-    def pause(self, mode: str = "keep") -> None:
+        A new version means new weights: ``weights_changed(version)``. Setting the current version again
+        changes nothing."""
+        version = int(version)
+        with self._cond:
+            if version == self._version:
+                return
+        self.weights_changed(version)
+
+    def weights_changed(self, version: int | None = None, *, lora_name: str | None = None) -> None:
+        """The one owner of weight changes: every path that changes weights the engine samples from calls it.
+
+        KV computed by the old weights is not used again: the prefix cache entries they made are dropped
+        and, before its next token, every sequence in flight has its cached positions recomputed with the
+        new weights (as preemption does), so each token stamped v is sampled from and scored by weights v.
+        (``EngineConfig(recompute_on_weight_change=False)`` keeps their stale cache instead and says so
+        per token in ``output_kv_versions``.) ``version``: stamp later tokens with it (None: unchanged).
+        ``lora_name``: only the served adapter of that name changed (the base and other adapters did not).
+        Never blocks, safe from any thread: done now when no step runs (e.g. while paused), else at the
+        start of the next step, before any token is sampled.
+        """
+        with self._cond:
+            if lora_name is None:
+                self._weights_epoch += 1
+            else:
+                self._adapter_epochs[lora_name] = self._adapter_epochs.get(lora_name, 0) + 1
+            if version is not None:
+                self._version = int(version)
+            self._cond.notify_all()
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_weight_changes(self._weights_stamp()[1])
+            finally:
+                self._step_lock.release()
+
+    def _weights_stamp(self):
+        """A snapshot of (version, stamp_of(lora_name)) taken at the start of a step."""
+        with self._cond:
+            version, epoch, adapters = self._version, self._weights_epoch, dict(self._adapter_epochs)
+        return version, lambda name: (epoch, adapters.get(name, 0))
+
+    def _apply_weight_changes(self, stamp_of) -> None:
+        sch = self.scheduler
+        sch.invalidate_stale(stamp_of)
+        if not self.config.recompute_on_weight_change:
+            return
+        for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
+            if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
+                sch.preempt(s, count=False)
+                self._stats["weight_recomputes"] += 1
+
+    def pause(self, mode: str = "keep", holder: str = "user") -> None:
         """Stop at a step boundary. mode="keep": in-flight sequences keep their state and continue on
-        ``resume()``; mode="abort": they finish now with finish_reason "abort"."""
+        ``resume()``; mode="abort": they finish now with finish_reason "abort".
+
+        Pauses are held by name: the engine runs again only when every holder has resumed, so
+        ``onload()`` (holder "offload"), a trainer's hold ("trainer"), AReaL's pause_generation ("areal"),
+        the server's /pause ("http") and a user's pause ("user") never release one another. Pausing again
+        under a name already held is a no-op (no counting).
+        """
         if mode not in ("keep", "abort"):
             raise InvalidRequestError("mode", f"mode must be 'keep' or 'abort', got {mode!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidRequestError("holder", f"holder must be a non-empty string, got {holder!r}")
         with self._cond:
-            self._paused = True
+            self._pause_holders.add(holder)
         with self._step_lock:  # wait for the step in progress to end
             pass
         if mode == "abort":
             self.abort_all()
 
-    def resume(self) -> None:
+    def resume(self, holder: str = "user") -> None:
+        """Release ``holder``'s pause; generation continues once no one else holds one."""
         with self._cond:
-            self._paused = False
+            self._pause_holders.discard(holder)
             self._cond.notify_all()
+
+    @property
+    def _paused(self) -> bool:
+        return bool(self._pause_holders)
 
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    @property
+    def paused_by(self) -> frozenset[str]:
+        """Who holds a pause now (empty: running)."""
+        with self._cond:
+            return frozenset(self._pause_holders)
 
     def abort(self, request_id: str) -> None:
         """Finish every sample of ``request_id`` with finish_reason "abort" and free its KV."""
@@ -182,8 +256,10 @@ class RolloutEngine:
             self._drain_inbox()
 
     def offload(self) -> None:
-        """Free the KV cache memory (for training); requests wait until ``onload()``."""
-        self.pause("keep")
+        """Free the KV cache memory (for training); requests wait until ``onload()``.
+
+        Holds its own pause ("offload"): ``onload()`` releases only that one, never a pause someone else holds."""
+        self.pause("keep", holder="offload")
         with self._step_lock:
             for s in list(self.scheduler.running):
                 self.scheduler.preempt(s)
@@ -197,7 +273,7 @@ class RolloutEngine:
         with self._step_lock:
             self.kv.allocate_storage()
             self._offloaded = False
-        self.resume()
+        self.resume(holder="offload")
 
     # ================================================================== LoRA adapters served by name
     def load_lora_adapter(self, name: str, path: str) -> None:
@@ -217,6 +293,7 @@ class RolloutEngine:
                 model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
                 self.policy.model = model
                 self.runner.base_default = True  # unnamed requests keep using the plain model
+                changed = None  # a new model object under everyone: recompute all (rare, and exact)
             else:
                 active = model.active_adapter
                 try:
@@ -224,8 +301,9 @@ class RolloutEngine:
                 except Exception as e:
                     raise InvalidRequestError("lora_path", f"cannot load adapter from {path!r}: {e}") from None
                 model.set_adapter(active)
+                changed = name
             self.lora_adapters[name] = path
-            self.scheduler.drop_prefix()
+        self.weights_changed(lora_name=changed)
 
     def unload_lora_adapter(self, name: str) -> None:
         if name not in self.lora_adapters:
@@ -239,10 +317,12 @@ class RolloutEngine:
                 # with zero adapters, so take the LoRA layers out and serve the plain model again.
                 self.policy.model = self.policy.model.unload()
                 self.runner.base_default = False
+                changed = None
             else:
                 self.policy.model.delete_adapter(name)
+                changed = name
             del self.lora_adapters[name]
-            self.scheduler.drop_prefix()
+        self.weights_changed(lora_name=changed)
 
     def invalidate_prefix_cache(self) -> None:
         with self._step_lock:
@@ -251,7 +331,8 @@ class RolloutEngine:
     def stats(self) -> dict:
         s = dict(self._stats)
         s.update(
-            version=self._version, paused=self._paused, num_running=len(self.scheduler.running),
+            version=self._version, paused=self._paused, paused_by=sorted(self.paused_by),
+            num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._inbox), kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks, kv_block_size=self.kv.block_size,
             kv_cache_bytes=self.kv.memory_bytes, kv_usage=1 - self.kv.num_free_blocks / self.kv.num_blocks,
@@ -425,12 +506,13 @@ class RolloutEngine:
         with policy.lock, torch.inference_mode():
             switch = policy.inference() if policy.model.training else None
             try:
-                version = self._version
-                plan = self.scheduler.schedule(version)
+                version, stamp_of = self._weights_stamp()
+                self._apply_weight_changes(stamp_of)
+                plan = self.scheduler.schedule()
                 if plan.decode:
                     produced += self._decode(plan.decode, version)
                 for group in plan.prefill_groups:
-                    produced += self._prefill(group, version)
+                    produced += self._prefill(group, version, stamp_of)
             finally:
                 if switch is not None:
                     switch.__exit__(None, None, None)
@@ -438,7 +520,7 @@ class RolloutEngine:
         self._stats["busy_s"] += time.perf_counter() - t0
         return produced
 
-    def _prefill(self, group: list[Sequence], version: int) -> int:
+    def _prefill(self, group: list[Sequence], version: int, stamp_of) -> int:
         sch = self.scheduler
         head = group[0]
         try:
@@ -452,6 +534,7 @@ class RolloutEngine:
                                                     head.prompt.pixel_values, head.prompt.image_grid_thw,
                                                     head.lora_name)
                 head.num_cached, head.rope_delta = head.num_tokens, delta
+                head.kv_stamp, head.kv_version = stamp_of(head.lora_name), version
                 self._stats["prefill_tokens"] += head.num_tokens
                 self._stats["prefills"] += 1
                 return self._sample_and_advance([head], logits.unsqueeze(0), version)
@@ -471,7 +554,7 @@ class RolloutEngine:
                 except Exception:
                     self.kv.free(blocks)
                     raise
-                entry = PrefixEntry(blocks, n, logits, delta, version)
+                entry = PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name))
                 sch.prefix[key] = entry
                 self._stats["prefill_tokens"] += n
                 self._stats["prefills"] += 1
@@ -492,6 +575,7 @@ class RolloutEngine:
                     self.kv.copy_block(entry.blocks[full], own[0], rem)
                     table += own
                 s.block_table, s.num_cached, s.rope_delta = table, n, entry.rope_delta
+                s.kv_stamp, s.kv_version = entry.stamp, entry.version
             if not sch.use_prefix_cache:
                 sch.drop_prefix(key)
             ready = [s for s in group if s.status == Status.RUNNING]
@@ -530,8 +614,13 @@ class RolloutEngine:
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, version: int) -> int:
         res = self.sampler(logits, seqs)
         for i, s in enumerate(seqs):
-            tok = res.tokens[i]
-            s.append(tok, res.logprobs[i], version, res.top[i])
+            tok, lp = res.tokens[i], res.logprobs[i]
+            if not math.isfinite(lp):  # never hand back NaN/inf as a logprob: fail this sample, by name
+                self._finish(s, "abort", error=f"NonFiniteLogprob: output_logprobs: the logprob of token {tok} "
+                             f"at output position {len(s.output_ids)} is {lp} (non-finite model output); "
+                             f"the sample is failed instead of returned")
+                continue
+            s.append(tok, lp, version, res.top[i], min(s.kv_version, version))
             reason, stop = self._check_stop(s, tok)
             if reason is not None:
                 self._finish(s, reason, stop)
@@ -548,8 +637,11 @@ class RolloutEngine:
             if not sp.ignore_eos and tok in self.eos_ids:
                 return "stop", None
             if sp.stop:
+                # As vLLM: a stop string counts only where its match ends after the first min_new_tokens
+                # tokens' text (the protected region); a match inside it never stops the sequence.
                 text = self._decode_text(s)
-                hits = [(text.find(x), x) for x in sp.stop if x in text]
+                protected = self._protected_chars(s)
+                hits = [(i, x) for x in sp.stop if (i := text.find(x, max(0, protected - len(x) + 1))) >= 0]
                 if hits:
                     idx, x = min(hits)
                     s.text = text[:idx]
@@ -558,6 +650,15 @@ class RolloutEngine:
         if n >= sp.max_new_tokens or s.num_tokens >= self.max_model_len:
             return "length", None
         return None, None
+
+    def _protected_chars(self, s: Sequence) -> int:
+        k = s.sampling.min_new_tokens
+        if k == 0:
+            return 0
+        if s.protected_chars is None:  # the text of the first min_new_tokens tokens, decoded once
+            s.protected_chars = len(self.tokenizer.decode(
+                s.output_ids[:k], skip_special_tokens=s.sampling.skip_special_tokens).rstrip("\ufffd"))
+        return s.protected_chars
 
     def _decode_text(self, s: Sequence) -> str:
         return self.tokenizer.decode(s.output_ids, skip_special_tokens=s.sampling.skip_special_tokens)

@@ -50,10 +50,14 @@ class GenerationOutput:
     """What one sample produced.
 
     ``output_logprobs[i]`` is ``log_softmax(raw_logits / T)[output_ids[i]]``; ``output_versions[i]``
-    the weight version that produced token i. ``finish_reason`` is "stop" (EOS, stop id or stop
-    string; an EOS or stop id stays in ``output_ids``), "length" or "abort". ``stop_reason`` is the
-    matched stop string or token id, when there is one. ``error`` is set when the request was
-    rejected or failed (then ``finish_reason`` is "abort").
+    the weight version that produced token i (sampled from and scored by those weights: a weight change
+    mid-generation recomputes the cached positions first). ``output_kv_versions[i]`` is the oldest weight
+    version among the cached positions token i attended to; it differs from ``output_versions[i]`` only
+    when ``EngineConfig(recompute_on_weight_change=False)`` kept a stale cache. ``finish_reason`` is
+    "stop" (EOS, stop id or stop string; an EOS or stop id stays in ``output_ids``), "length" or "abort".
+    ``stop_reason`` is the matched stop string or token id, when there is one. ``error`` is set when the
+    request was rejected or failed (then ``finish_reason`` is "abort"; a non-finite logprob fails the sample
+    with an error starting "NonFiniteLogprob" rather than being returned).
     """
 
     request_id: str
@@ -68,6 +72,7 @@ class GenerationOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     sample_index: int = 0
+    output_kv_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,7 @@ class PrefixEntry:
     logits: torch.Tensor
     rope_delta: int
     version: int
+    stamp: tuple = ()  # the engine's weights stamp when this KV was computed (stale once it changes)
 
 
 @dataclass
@@ -75,9 +76,10 @@ class Scheduler:
             if entry is not None:
                 self.kv.free(entry.blocks)
 
-    def invalidate_versions(self, version: int) -> None:
-        """KV computed by old weights is not reused for new prompts."""
-        for k in [k for k, e in self.prefix.items() if e.version != version]:
+    def invalidate_stale(self, stamp_of) -> None:
+        """KV computed by old weights is not reused for new prompts: drop entries whose stamp is not
+        ``stamp_of(lora_name)`` (the last element of a prefix key)."""
+        for k in [k for k, e in self.prefix.items() if e.stamp != stamp_of(k[-1])]:
             self.drop_prefix(k)
 
     def _evict_prefix_for(self, needed: int, keep=None) -> bool:
@@ -104,9 +106,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self, version: int) -> ScheduledStep:
-        """Grow running sequences by one slot each (preempting if full), then admit waiting ones into what is left."""
-        self.invalidate_versions(version)
+    def schedule(self) -> ScheduledStep:
+        """Grow running sequences by one slot each (preempting if full), then admit waiting ones into what is left.
+
+        Stale prefix entries and running sequences are dealt with by the engine before (weight changes)."""
         decode = self.ensure_decode_slots([s for s in self.running if s.num_cached > 0])
         groups: list[list[Sequence]] = []
         budget = self.max_prefill_tokens

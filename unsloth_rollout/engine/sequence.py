@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import random
 import time
@@ -13,6 +14,13 @@ from .inputs import PreparedPrompt
 from .request import GenerationOutput
 
 _ids = itertools.count()
+
+
+def sample_stream_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded ``seed``: a hash of the pair, so (seed, i) and
+    (seed + 1, i - 1) get unrelated streams (``seed + i`` made them the same one), whatever else is batched."""
+    digest = hashlib.blake2b(f"unsloth_rollout:{int(seed)}:{int(sample_index)}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
 
 
 class Status(enum.Enum):
@@ -32,9 +40,13 @@ class Sequence:
         self.lora_name = lora_name
         self.on_event = on_event  # called (seq, finished) from the engine thread after each new token
         self.stop_text_truncated = False
+        self.protected_chars: int | None = None  # length of the min_new_tokens text no stop string may end in
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_versions: list[int] = []
+        # Per token: the oldest weight version among the cached positions it attended to (== output_versions
+        # unless EngineConfig.recompute_on_weight_change is off).
+        self.output_kv_versions: list[int] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -45,8 +57,12 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached = 0
         self.rope_delta = 0
+        # Which weights computed the cached positions: the engine's weights stamp when they were (re)computed,
+        # and the oldest weight version among them.
+        self.kv_stamp: tuple = ()
+        self.kv_version = 0
         seed = sampling.seed
-        self.rng = random.Random(seed + sample_index) if seed is not None else None
+        self.rng = random.Random(sample_stream_seed(seed, sample_index)) if seed is not None else None
         self.abort_requested = False
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -74,12 +90,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 
-    def append(self, token: int, logprob: float, version: int, top: dict[int, float] | None) -> None:
+    def append(self, token: int, logprob: float, version: int, top: dict[int, float] | None,
+               kv_version: int | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
+        self.output_kv_versions.append(version if kv_version is None else kv_version)
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or {})
 
@@ -103,6 +121,7 @@ class Sequence:
         return GenerationOutput(
             request_id=self.request_id, prompt_ids=list(self.prompt.prompt_ids), output_ids=list(self.output_ids),
             output_logprobs=list(self.output_logprobs), output_versions=list(self.output_versions),
+            output_kv_versions=list(self.output_kv_versions),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
             error=self.error, sample_index=self.sample_index)

@@ -42,6 +42,9 @@ logger = logging.getLogger("unsloth_rollout.serve")
 
 # Reachable without the API key (liveness probes and scrapers).
 _OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}
+# The pause the HTTP endpoints hold (/pause, /resume and AReaL's pause/continue share it, as in vLLM); /sleep
+# (offload) and /areal_update_weights hold their own, so none of them releases another's.
+HTTP_PAUSE = "http"
 
 
 def create_app(engine, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
@@ -414,7 +417,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
                     break
                 await asyncio.sleep(0.02)
             mode = "keep"
-        await asyncio.to_thread(engine.pause, mode)
+        await asyncio.to_thread(engine.pause, mode, HTTP_PAUSE)
         if clear_cache and mode == "abort":
             await asyncio.to_thread(engine.invalidate_prefix_cache)
 
@@ -429,7 +432,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/resume")
     async def resume():
-        await asyncio.to_thread(engine.resume)
+        await asyncio.to_thread(engine.resume, HTTP_PAUSE)
         state.gate.set()
         return {"status": "resumed"}
 
@@ -446,7 +449,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/areal_continue_generation")
     async def areal_continue_generation():
-        await asyncio.to_thread(engine.resume)
+        await asyncio.to_thread(engine.resume, HTTP_PAUSE)
         state.gate.set()
         return {"success": True, "message": "Generation continued"}
 

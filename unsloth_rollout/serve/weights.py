@@ -23,7 +23,7 @@ def load_weights_from_disk(engine, path: str) -> int:
     LoRA weights of the policy are left alone (LoRA layers' ``base_layer`` weights are updated). The
     checkpoint is read with the model's own class, so transformers' key mappings apply. As vLLM's AReaL
     endpoint does, in-flight requests are aborted (they return their partial output; AReaL resubmits) and
-    the prefix cache is dropped; a pause the caller made stays in place.
+    the prefix cache is dropped (``engine.weights_changed()``); a pause anyone else holds stays in place.
     """
     policy = engine.policy
     base = policy.base_model
@@ -43,16 +43,14 @@ def load_weights_from_disk(engine, path: str) -> int:
         t = source[n.replace(".base_layer.", ".")]
         if t.shape != p.shape:
             raise InvalidRequestError("model_path", f"{n}: checkpoint shape {tuple(t.shape)} != {tuple(p.shape)}")
-    was_paused = engine.is_paused
-    engine.pause("abort")
+    engine.pause("abort", holder="load_weights")
     try:
         with policy.lock, torch.no_grad():
             for n, p in targets:
                 p.copy_(source[n.replace(".base_layer.", ".")].to(p.device, p.dtype))
             policy.clear_rope_deltas()
-        engine.invalidate_prefix_cache()
+        engine.weights_changed()
     finally:
-        if not was_paused:
-            engine.resume()
+        engine.resume(holder="load_weights")
     logger.info("unsloth_rollout: loaded %d weights from %s", len(targets), path)
     return len(targets)
