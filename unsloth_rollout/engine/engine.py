@@ -1,13 +1,9 @@
-"""RolloutEngine: continuous batching over the policy the optimizer trains.
+"""RolloutEngine: the engine's front — threads, futures, asyncio, pause holders and weight changes.
 
-``step()`` is the heart: schedule, prefill new prompt groups, decode one token for every running
-sequence, sample, check stops, hand finished samples back. A background thread drives
-``step()`` whenever there is work, so ``generate`` (blocking), ``agenerate`` (any event loop or
-thread) and ``stream`` all batch together. The engine holds the PolicyModel, never a copy: after
-an optimizer step and ``set_version(v + 1)`` the next tokens come from the new weights, and so does the
-cache they attend to: sequences in flight are recomputed with the new weights before their next token
-(``weights_changed`` is the one place every weight change goes through). Pauses are held by name
-(``pause(holder=...)``), so offload/onload, a trainer's hold and a user's pause never release each other.
+``EngineCore`` (core.py) runs one step at a time; this class drives it from a background thread
+whenever there is work, so ``generate`` (blocking), ``agenerate`` (any event loop or thread) and
+``stream`` all batch together. The engine holds the PolicyModel, never a copy: after an optimizer
+step and ``set_version(v + 1)`` the next tokens come from the new weights.
 
 Example::
 
@@ -22,24 +18,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable
 
 import torch
 
-from .config import EngineConfig, InvalidRequestError, SamplingParams
-from .inputs import InputPreparer
 from .attention import ModelNotServableError
-from .kv_cache import KVCache
+from .config import EngineConfig, InvalidRequestError
+from .core import EngineCore
 from .request import GenerationOutput, GenerationRequest, StreamDelta
-from .runner import ModelRunner, _text_dims
-from .sampler import Sampler
-from .scheduler import PrefixEntry, Scheduler, prefix_key
-from .sequence import Sequence, Status
+from .sequence import Sequence
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -52,29 +42,49 @@ class EngineStopped(RuntimeError):
     pass
 
 
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 @dataclass
 class _Pending:
     """Bookkeeping for one submitted request (all its n samples)."""
 
     request_id: str
-    n: int
     outputs: list[GenerationOutput | None]
     future: concurrent.futures.Future
     on_delta: object = None  # callable(StreamDelta), called from the engine thread
-    emitted: list[int] = field(default_factory=list)
-    emitted_text: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)  # per sample: tokens / characters already streamed
+    sent_chars: list[int] = field(default_factory=list)
+
+
+class RequestStream:
+    """Deltas of submitted requests as they are produced; ``close()`` aborts what has not finished."""
+
+    def __init__(self, engine: "RolloutEngine", indexed: bool):
+        self.engine = engine
+        self.indexed = indexed
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.futures: list[tuple[str, concurrent.futures.Future]] = []
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        remaining = len(self.futures)
+        try:
+            while remaining:
+                k, d = await self.queue.get()
+                if d is None:
+                    remaining -= 1
+                    exc = self.futures[k][1].exception()
+                    if exc is not None:
+                        raise exc
+                    continue
+                yield (k, d) if self.indexed else d
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for rid, fut in self.futures:
+            if not fut.done():
+                self.engine.abort(rid)
 
 
 class RolloutEngine:
@@ -83,68 +93,37 @@ class RolloutEngine:
     def __init__(self, policy, config: EngineConfig | None = None, *, seed: int | None = None):
         self.policy = policy
         self.config = config or EngineConfig()
-        self.tokenizer = policy.tokenizer
-        self.inputs = InputPreparer(policy)
-        tcfg = policy.text_config
-        layers, kv_heads, head_dim = _text_dims(tcfg)
-        dtype = policy.dtype if policy.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
-        device = policy.device
-        per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            budget = int(_available_memory_bytes(device) * self.config.kv_cache_memory_fraction)
-            if device.type != "cuda":
-                budget = min(budget, 1 << 30)
-        bs = self.config.block_size
-        num_blocks = max(1, budget // (per_token * bs))
-        self.kv = KVCache(layers, kv_heads, head_dim, num_blocks, bs, dtype, device)
-        model_max = getattr(tcfg, "max_position_embeddings", None) or 1 << 30
-        self.max_model_len = min(self.config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
-                                 model_max)
-        self.runner = ModelRunner(policy, self.kv, self.config.decode_compile, self.config.compile_mode)
-        self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
-        self._fatal: ModelNotServableError | None = None
-        self.eos_ids = self._eos_ids()
-        suppress = self.inputs.vision_token_ids() if (policy.is_vlm and self.config.suppress_vision_tokens) else []
-        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_prefill_tokens,
-                                   self.config.prefix_cache)
-        self._version = 0
+        self.core = EngineCore(policy, self.config, seed)
         self.lora_adapters: dict[str, str] = {}
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._abort_ids: set[str] = set()
         self._pending: dict[str, _Pending] = {}
         self._pause_holders: set[str] = set()  # paused while anyone holds a pause (see pause())
-        # Weights stamps: bumped by weights_changed(); KV computed under another stamp is stale.
-        self._weights_epoch = 0
-        self._adapter_epochs: dict[str, int] = {}
+        self._fatal: ModelNotServableError | None = None
         self._stopped = False
         self._offloaded = False
-        self._in_step = False
         self._thread: threading.Thread | None = None
-        self._step_lock = threading.Lock()
-        self._stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "requests": 0,
-                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0,
-                       "weight_recomputes": 0}
+        self._step_lock = threading.Lock()  # held by the engine thread for each step
+        self._requests = 0
+        kv = self.kv
         logger.info("unsloth_rollout: KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-                    num_blocks, bs, self.kv.memory_bytes / 2**20, self.max_model_len)
+                    kv.num_blocks, kv.block_size, kv.memory_bytes / 2**20, self.max_model_len)
 
-    def _eos_ids(self) -> list[int]:
-        ids = set()
-        gc = getattr(self.policy.base_model, "generation_config", None)
-        e = getattr(gc, "eos_token_id", None) if gc is not None else None
-        for x in (e if isinstance(e, (list, tuple)) else [e]):
-            if isinstance(x, int):
-                ids.add(x)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return sorted(ids)
+    # The core's parts, for front ends and tests that inspect them.
+    tokenizer = property(lambda self: self.core.tokenizer)
+    inputs = property(lambda self: self.core.inputs)
+    kv = property(lambda self: self.core.kv)
+    runner = property(lambda self: self.core.runner)
+    sampler = property(lambda self: self.core.sampler)
+    scheduler = property(lambda self: self.core.scheduler)
+    eos_ids = property(lambda self: self.core.eos_ids)
+    max_model_len = property(lambda self: self.core.max_model_len)
 
-    # ================================================================== versions and control
+    # ================================================================== weights and versions
     @property
     def version(self) -> int:
-        return self._version
+        return self.core.weights.version
 
     def set_version(self, version: int) -> None:
         """Stamp tokens sampled from now on with ``version`` (call after each optimizer step).
@@ -152,10 +131,8 @@ class RolloutEngine:
         A new version means new weights: ``weights_changed(version)``. Setting the current version again
         changes nothing."""
         version = int(version)
-        with self._cond:
-            if version == self._version:
-                return
-        self.weights_changed(version)
+        if version != self.core.weights.version:
+            self.weights_changed(version)
 
     def weights_changed(self, version: int | None = None, *, lora_name: str | None = None) -> None:
         """The one owner of weight changes: every path that changes weights the engine samples from calls it.
@@ -169,55 +146,43 @@ class RolloutEngine:
         Never blocks, safe from any thread: done now when no step runs (e.g. while paused), else at the
         start of the next step, before any token is sampled.
         """
+        self.core.weights.bump(version, lora_name)
         with self._cond:
-            if lora_name is None:
-                self._weights_epoch += 1
-            else:
-                self._adapter_epochs[lora_name] = self._adapter_epochs.get(lora_name, 0) + 1
-            if version is not None:
-                self._version = int(version)
             self._cond.notify_all()
         if self._step_lock.acquire(blocking=False):
             try:
-                self._apply_weight_changes(self._weights_stamp()[1])
+                self.core.apply_weight_changes(self.core.weights.snapshot()[1])
             finally:
                 self._step_lock.release()
 
-    def _weights_stamp(self):
-        """A snapshot of (version, stamp_of(lora_name)) taken at the start of a step."""
-        with self._cond:
-            version, epoch, adapters = self._version, self._weights_epoch, dict(self._adapter_epochs)
-        return version, lambda name: (epoch, adapters.get(name, 0))
-
-    def _apply_weight_changes(self, stamp_of) -> None:
-        sch = self.scheduler
-        sch.invalidate_stale(stamp_of)
-        if not self.config.recompute_on_weight_change:
-            return
-        for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
-            if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
-                sch.preempt(s, count=False)
-                self._stats["weight_recomputes"] += 1
-
+    # ================================================================== pause, abort, offload
     def pause(self, mode: str = "keep", holder: str = "user") -> None:
         """Stop at a step boundary. mode="keep": in-flight sequences keep their state and continue on
-        ``resume()``; mode="abort": they finish now with finish_reason "abort".
+        ``resume()``; mode="abort": they finish now with finish_reason "abort"; mode="wait": admit nothing
+        new and return once the requests in flight have finished.
 
         Pauses are held by name: the engine runs again only when every holder has resumed, so
         ``onload()`` (holder "offload"), a trainer's hold ("trainer"), AReaL's pause_generation ("areal"),
         the server's /pause ("http") and a user's pause ("user") never release one another. Pausing again
         under a name already held is a no-op (no counting).
         """
-        if mode not in ("keep", "abort"):
-            raise InvalidRequestError("mode", f"mode must be 'keep' or 'abort', got {mode!r}")
+        if mode not in ("keep", "abort", "wait"):
+            raise InvalidRequestError("mode", f"mode must be 'keep', 'abort' or 'wait', got {mode!r}")
         if not isinstance(holder, str) or not holder:
             raise InvalidRequestError("holder", f"holder must be a non-empty string, got {holder!r}")
+        if mode == "wait":
+            self.wait_idle()
         with self._cond:
             self._pause_holders.add(holder)
         with self._step_lock:  # wait for the step in progress to end
             pass
         if mode == "abort":
             self.abort_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight (woken by each finished request, no polling); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending or self._stopped, timeout)
 
     def resume(self, holder: str = "user") -> None:
         """Release ``holder``'s pause; generation continues once no one else holds one."""
@@ -263,7 +228,7 @@ class RolloutEngine:
         with self._step_lock:
             for s in list(self.scheduler.running):
                 self.scheduler.preempt(s)
-            self.scheduler.drop_prefix()
+            self.scheduler.prefix.drop()
             self.kv.release_storage()
             self._offloaded = True
             if self.kv.device.type == "cuda":
@@ -309,9 +274,9 @@ class RolloutEngine:
         if name not in self.lora_adapters:
             raise InvalidRequestError("lora_name", f"adapter {name!r} is not loaded")
         with self._step_lock, self.policy.lock:
-            for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+            for s in self.core.sequences():
                 if s.lora_name == name:
-                    self._finish(s, "abort", error=f"adapter {name!r} was unloaded")
+                    self.core.finish(s, "abort", error=f"adapter {name!r} was unloaded")
             if self.runner.base_default and set(self.lora_adapters) == {name}:
                 # The policy had no adapter of its own and this was the last served one: PEFT cannot run
                 # with zero adapters, so take the LoRA layers out and serve the plain model again.
@@ -326,22 +291,22 @@ class RolloutEngine:
 
     def invalidate_prefix_cache(self) -> None:
         with self._step_lock:
-            self.scheduler.drop_prefix()
+            self.scheduler.prefix.drop()
 
     def stats(self) -> dict:
-        s = dict(self._stats)
+        s = dict(self.core.stats)
+        sch, kv = self.scheduler, self.kv
         s.update(
-            version=self._version, paused=self._paused, paused_by=sorted(self.paused_by),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox), kv_blocks_total=self.kv.num_blocks,
-            kv_blocks_free=self.kv.num_free_blocks, kv_block_size=self.kv.block_size,
-            kv_cache_bytes=self.kv.memory_bytes, kv_usage=1 - self.kv.num_free_blocks / self.kv.num_blocks,
-            prefix_cache_entries=len(self.scheduler.prefix), prefix_cache_hits=self.scheduler.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions, max_model_len=self.max_model_len)
+            requests=self._requests, version=self.version, paused=self._paused, paused_by=sorted(self.paused_by),
+            num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self._inbox),
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
+            kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
+            prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
+            num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len)
         return s
 
     # ================================================================== submission
-    def _make_sequences(self, req: GenerationRequest, on_event) -> list[Sequence]:
+    def _make_sequences(self, req: GenerationRequest) -> list[Sequence]:
         if not isinstance(req, GenerationRequest):
             raise InvalidRequestError("request", f"expected a GenerationRequest, got {type(req).__name__}")
         if req.lora_name is not None and req.lora_name not in self.lora_adapters:
@@ -356,7 +321,7 @@ class RolloutEngine:
             raise RequestRejected(
                 "max_new_tokens", f"prompt ({plen}) + max_new_tokens ({sp.max_new_tokens}) needs "
                 f"{longest} KV slots; the KV cache budget holds {self.kv.num_slots - self.kv.block_size}")
-        return [Sequence(req.request_id, i, prompt, sp, on_event, req.lora_name) for i in range(sp.n)]
+        return [Sequence(req.request_id, i, prompt, sp, self._on_event, req.lora_name) for i in range(sp.n)]
 
     def submit(self, req: GenerationRequest, on_delta=None) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its list of n GenerationOutputs.
@@ -367,16 +332,16 @@ class RolloutEngine:
             raise EngineStopped("the engine is shut down")
         if self._fatal is not None:
             raise self._fatal
-        fut: concurrent.futures.Future = concurrent.futures.Future()
         if req.request_id in self._pending:
             raise InvalidRequestError("request_id", f"request_id {req.request_id!r} is already in flight")
-        seqs = self._make_sequences(req, self._on_event)
-        pend = _Pending(req.request_id, len(seqs), [None] * len(seqs), fut, on_delta, [0] * len(seqs),
-                        [0] * len(seqs))
+        seqs = self._make_sequences(req)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        n = len(seqs)
+        pend = _Pending(req.request_id, [None] * n, fut, on_delta, [0] * n, [0] * n)
         with self._cond:
             self._pending[req.request_id] = pend
             self._inbox.extend(seqs)
-            self._stats["requests"] += 1
+            self._requests += 1
             self._cond.notify_all()
         self._ensure_thread()
         return fut
@@ -419,28 +384,32 @@ class RolloutEngine:
             raise
         return outs[0] if request.sampling.n == 1 else outs
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:  # a RequestStream
         """Submit now and return an async iterator of StreamDelta pieces (the last one per sample has
         finish_reason). Call it from a running event loop; invalid input raises here, before iteration.
 
         Leaving the iteration early (a client disconnect) aborts the request.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        fut = self.submit(request, on_delta=lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
-        # Queued after the last delta: both are put from the engine thread, in order.
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, None))
-        return self._iterate(request.request_id, fut, queue)
+        return self.stream_many([request], indexed=False)
 
-    async def _iterate(self, request_id: str, fut: concurrent.futures.Future, queue: asyncio.Queue):
+    def stream_many(self, requests: list[GenerationRequest], indexed: bool = True) -> "RequestStream":
+        """Submit all ``requests`` now (an invalid one raises here and none stays queued) and return an async
+        iterable of ``(request_index, StreamDelta)`` (bare deltas with ``indexed=False``) across them.
+
+        Leaving the iteration early, or ``close()`` (a client disconnect), aborts whatever is still running."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, indexed)
         try:
-            while (d := await queue.get()) is not None:
-                yield d
-            if fut.exception() is not None:
-                raise fut.exception()
-        finally:
-            if not fut.done():
-                self.abort(request_id)
+            for k, req in enumerate(requests):
+                fut = self.submit(req, on_delta=lambda d, k=k: loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                                                         (k, d)))
+                # Queued after the last delta: both are put from the engine thread, in order.
+                fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(stream.queue.put_nowait, (k, None)))
+                stream.futures.append((req.request_id, fut))
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
     # ================================================================== engine thread
     def _ensure_thread(self) -> None:
@@ -471,8 +440,11 @@ class RolloutEngine:
                     continue
                 try:
                     self.step()
+                    continue
                 except Exception:  # the engine must keep serving; the step already failed its sequences
                     logger.exception("unsloth_rollout: engine step failed")
+            with self._cond:  # back off after a failed step instead of spinning on it
+                self._cond.wait(timeout=0.05)
 
     def shutdown(self) -> None:
         """Abort everything still in flight and stop the engine thread."""
@@ -488,181 +460,21 @@ class RolloutEngine:
             new, self._inbox = self._inbox, []
             aborts, self._abort_ids = self._abort_ids, set()
         for s in new:
-            self.scheduler.add(s)
+            self.core.add(s)
         if aborts:
-            for s in [s for s in list(self.scheduler.waiting) + list(self.scheduler.running)
-                      if s.request_id in aborts]:
-                self._finish(s, "abort")
+            for s in [s for s in self.core.sequences() if s.request_id in aborts]:
+                self.core.finish(s, "abort")
 
-    # ================================================================== the step
     def step(self) -> int:
-        """Run one scheduling step; returns the number of tokens produced."""
+        """Take in new requests and aborts, then run one core step; returns the tokens produced."""
         self._drain_inbox()
-        if not self.scheduler.has_work():
-            return 0
-        t0 = time.perf_counter()
-        policy = self.policy
-        produced = 0
-        with policy.lock, torch.inference_mode():
-            switch = policy.inference() if policy.model.training else None
-            try:
-                version, stamp_of = self._weights_stamp()
-                self._apply_weight_changes(stamp_of)
-                plan = self.scheduler.schedule()
-                if plan.decode:
-                    produced += self._decode(plan.decode, version)
-                for group in plan.prefill_groups:
-                    produced += self._prefill(group, version, stamp_of)
-            finally:
-                if switch is not None:
-                    switch.__exit__(None, None, None)
-        self._stats["steps"] += 1
-        self._stats["busy_s"] += time.perf_counter() - t0
-        return produced
-
-    def _prefill(self, group: list[Sequence], version: int, stamp_of) -> int:
-        sch = self.scheduler
-        head = group[0]
         try:
-            if head.output_ids:  # resumed after preemption: recompute prompt + output privately
-                blocks = sch.allocate(sch.blocks_for(head.num_tokens))
-                if blocks is None:
-                    sch.preempt(head, count=False)
-                    return 0
-                head.block_table = blocks
-                logits, delta = self.runner.prefill(head.all_ids, self.kv.slots(blocks, 0, head.num_tokens),
-                                                    head.prompt.pixel_values, head.prompt.image_grid_thw,
-                                                    head.lora_name)
-                head.num_cached, head.rope_delta = head.num_tokens, delta
-                head.kv_stamp, head.kv_version = stamp_of(head.lora_name), version
-                self._stats["prefill_tokens"] += head.num_tokens
-                self._stats["prefills"] += 1
-                return self._sample_and_advance([head], logits.unsqueeze(0), version)
-            key = prefix_key(head)
-            entry = sch.prefix.get(key)
-            n = len(head.prompt_ids)
-            if entry is None:
-                blocks = sch.allocate(sch.blocks_for(n), keep=key)
-                if blocks is None:  # memory went elsewhere this step: wait in line, first
-                    for s in reversed(group):
-                        sch.preempt(s, count=False)
-                    return 0
-                try:
-                    logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n),
-                                                        head.prompt.pixel_values, head.prompt.image_grid_thw,
-                                                        head.lora_name)
-                except Exception:
-                    self.kv.free(blocks)
-                    raise
-                entry = PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name))
-                sch.prefix[key] = entry
-                self._stats["prefill_tokens"] += n
-                self._stats["prefills"] += 1
-                sch.prefix_hits += len(group) - 1
-            else:
-                sch.prefix.move_to_end(key)
-                sch.prefix_hits += len(group)
-            bs = self.kv.block_size
-            full, rem = divmod(n, bs)
-            for s in group:
-                table = self.kv.share(entry.blocks[:full])
-                if rem:
-                    own = sch.allocate(1, keep=key)
-                    if own is None:
-                        self.kv.free(table)
-                        sch.preempt(s, count=False)
-                        continue
-                    self.kv.copy_block(entry.blocks[full], own[0], rem)
-                    table += own
-                s.block_table, s.num_cached, s.rope_delta = table, n, entry.rope_delta
-                s.kv_stamp, s.kv_version = entry.stamp, entry.version
-            if not sch.use_prefix_cache:
-                sch.drop_prefix(key)
-            ready = [s for s in group if s.status == Status.RUNNING]
-            if not ready:
-                return 0
-            return self._sample_and_advance(ready, entry.logits.unsqueeze(0).expand(len(ready), -1), version)
+            return self.core.step()
         except ModelNotServableError as e:
             self._refuse_model(e)
             return 0
-        except Exception as e:
-            logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
-            for s in group:
-                if not s.finished:
-                    self._finish(s, "abort", error=f"prefill failed: {type(e).__name__}: {e}")
-            return 0
 
-    def _decode(self, seqs: list[Sequence], version: int) -> int:
-        try:
-            logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
-                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs],
-                                        [s.lora_name for s in seqs])
-            for s in seqs:
-                s.num_cached += 1
-            self._stats["decode_tokens"] += len(seqs)
-            return self._sample_and_advance(seqs, logits, version)
-        except ModelNotServableError as e:
-            self._refuse_model(e)
-            return 0
-        except Exception as e:  # fail this batch, never leave it stuck in the running list
-            logger.exception("unsloth_rollout: decode step failed")
-            for s in seqs:
-                if not s.finished:
-                    self._finish(s, "abort", error=f"decode failed: {type(e).__name__}: {e}")
-            return 0
-
-    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, version: int) -> int:
-        res = self.sampler(logits, seqs)
-        for i, s in enumerate(seqs):
-            tok, lp = res.tokens[i], res.logprobs[i]
-            if not math.isfinite(lp):  # never hand back NaN/inf as a logprob: fail this sample, by name
-                self._finish(s, "abort", error=f"NonFiniteLogprob: output_logprobs: the logprob of token {tok} "
-                             f"at output position {len(s.output_ids)} is {lp} (non-finite model output); "
-                             f"the sample is failed instead of returned")
-                continue
-            s.append(tok, lp, version, res.top[i], min(s.kv_version, version))
-            reason, stop = self._check_stop(s, tok)
-            if reason is not None:
-                self._finish(s, reason, stop)
-            elif s.on_event is not None:
-                s.on_event(s, False)
-        return len(seqs)
-
-    def _check_stop(self, s: Sequence, tok: int):
-        sp = s.sampling
-        n = len(s.output_ids)
-        if n >= sp.min_new_tokens:
-            if tok in sp.stop_token_ids:
-                return "stop", tok
-            if not sp.ignore_eos and tok in self.eos_ids:
-                return "stop", None
-            if sp.stop:
-                # As vLLM: a stop string counts only where its match ends after the first min_new_tokens
-                # tokens' text (the protected region); a match inside it never stops the sequence.
-                text = self._decode_text(s)
-                protected = self._protected_chars(s)
-                hits = [(i, x) for x in sp.stop if (i := text.find(x, max(0, protected - len(x) + 1))) >= 0]
-                if hits:
-                    idx, x = min(hits)
-                    s.text = text[:idx]
-                    s.stop_text_truncated = True
-                    return "stop", x
-        if n >= sp.max_new_tokens or s.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
-
-    def _protected_chars(self, s: Sequence) -> int:
-        k = s.sampling.min_new_tokens
-        if k == 0:
-            return 0
-        if s.protected_chars is None:  # the text of the first min_new_tokens tokens, decoded once
-            s.protected_chars = len(self.tokenizer.decode(
-                s.output_ids[:k], skip_special_tokens=s.sampling.skip_special_tokens).rstrip("\ufffd"))
-        return s.protected_chars
-
-    def _decode_text(self, s: Sequence) -> str:
-        return self.tokenizer.decode(s.output_ids, skip_special_tokens=s.sampling.skip_special_tokens)
-
+    # ================================================================== outputs to callers
     def _refuse_model(self, e: ModelNotServableError) -> None:
         """The model cannot be served exactly (e.g. its attention bypassed the cache): nothing it produced
         is returned; every request in flight and every later submit fails with the named error."""
@@ -670,52 +482,24 @@ class RolloutEngine:
         self._fatal = e
         with self._cond:
             pending, self._pending = list(self._pending.values()), {}
-        for s in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self._cond.notify_all()
+        for s in self.core.sequences():
             s.on_event = None
-            self._finish(s, "abort", error=str(e))
+            self.core.finish(s, "abort", error=str(e))
         for p in pending:
             if not p.future.done():
                 p.future.set_exception(e)
 
-    def _finish(self, s: Sequence, reason: str, stop=None, error: str | None = None) -> None:
-        sch = self.scheduler
-        if s.status == Status.RUNNING and s in sch.running:
-            sch.running.remove(s)
-        elif s.status == Status.WAITING and s in sch.waiting:
-            sch.waiting.remove(s)
-        sch.free_seq(s)
-        if not s.stop_text_truncated:
-            s.text = self._decode_text(s)
-        s.finish(reason, stop, error)
-        self._stats["finished"] += 1
-        if reason == "abort":
-            self._stats["aborted"] += 1
-        if error:
-            self._stats["errors"] += 1
-        if s.on_event is not None:
-            s.on_event(s, True)
-
     def _on_event(self, s: Sequence, finished: bool) -> None:
+        """Called by the core after each new token of ``s`` and when it finishes (engine thread)."""
         pend = self._pending.get(s.request_id)
         if pend is None:
             return
         i = s.sample_index
         if pend.on_delta is not None:
-            start = pend.emitted[i]
-            text = s.text if finished else self._decode_text(s)
-            if not finished:
-                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its last byte
-                if s.sampling.stop:  # hold back what a stop string still being matched could cut
-                    text = text[: max(0, len(text) - max(map(len, s.sampling.stop)) + 1)]
-            new_text = text[pend.emitted_text[i]:] if len(text) >= pend.emitted_text[i] else ""
-            if finished or len(s.output_ids) > start:
-                delta = StreamDelta(
-                    s.request_id, i, s.output_ids[start:], s.output_logprobs[start:], s.output_versions[start:],
-                    new_text, None if s.top_logprobs is None else s.top_logprobs[start:],
-                    s.finish_reason if finished else None, s.stop_reason if finished else None,
-                    s.to_output() if finished else None)
-                pend.emitted[i] = len(s.output_ids)
-                pend.emitted_text[i] = max(pend.emitted_text[i], len(text))
+            delta, pend.sent_tokens[i], pend.sent_chars[i] = self.core.output.delta(
+                s, pend.sent_tokens[i], pend.sent_chars[i], finished)
+            if delta is not None:
                 try:
                     pend.on_delta(delta)
                 except Exception:
@@ -725,6 +509,7 @@ class RolloutEngine:
             if all(o is not None for o in pend.outputs):
                 with self._cond:
                     self._pending.pop(s.request_id, None)
+                    self._cond.notify_all()
                 if not pend.future.done():
                     pend.future.set_result(pend.outputs)
 
@@ -735,7 +520,3 @@ class RolloutEngine:
                 self._cond.notify_all()
         except Exception:
             pass
-
-
-def sampling_from_dict(d: dict) -> SamplingParams:
-    return SamplingParams.from_dict(d)

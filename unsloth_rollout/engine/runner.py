@@ -108,9 +108,12 @@ class ModelRunner:
         active = "__base__" if self.base_default else getattr(self.policy.model, "active_adapter", "__base__")
         return [active if n is None else n for n in names]
 
-    def prefill(self, ids: list[int], slots: list[int], pixel_values=None, image_grid_thw=None,
-                adapter: str | None = None):
-        """Run a whole prompt (batch of one), writing its KV into ``slots``. Returns (logits [V], rope_delta)."""
+    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
+        """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
+        PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
+        a preempted sequence is recomputed). Returns (logits [V], rope_delta)."""
+        pixel_values = getattr(prompt, "pixel_values", None)
+        image_grid_thw = getattr(prompt, "image_grid_thw", None)
         input_ids = torch.tensor([ids], device=self.device)
         delta = 0
         mm = {}

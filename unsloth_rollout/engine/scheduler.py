@@ -11,23 +11,12 @@ recomputed when it is admitted again).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from .kv_cache import KVCache
+from .prefix_cache import PrefixCache, prefix_key
 from .sequence import Sequence, Status
-
-
-@dataclass
-class PrefixEntry:
-    blocks: list[int]
-    num_tokens: int
-    logits: torch.Tensor
-    rope_delta: int
-    version: int
-    stamp: tuple = ()  # the engine's weights stamp when this KV was computed (stale once it changes)
 
 
 @dataclass
@@ -36,21 +25,15 @@ class ScheduledStep:
     decode: list[Sequence]
 
 
-def prefix_key(seq: Sequence) -> tuple:
-    return seq.prompt.key + (seq.lora_name,)
-
-
 class Scheduler:
     def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, prefix_cache: bool):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.use_prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.prefix: OrderedDict[tuple, PrefixEntry] = OrderedDict()
+        self.prefix = PrefixCache(kv, prefix_cache)
         self.num_preemptions = 0
-        self.prefix_hits = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -69,29 +52,9 @@ class Scheduler:
         seq.block_table = []
         seq.num_cached = 0
 
-    def drop_prefix(self, key=None) -> None:
-        keys = list(self.prefix) if key is None else [key]
-        for k in keys:
-            entry = self.prefix.pop(k, None)
-            if entry is not None:
-                self.kv.free(entry.blocks)
-
-    def invalidate_stale(self, stamp_of) -> None:
-        """KV computed by old weights is not reused for new prompts: drop entries whose stamp is not
-        ``stamp_of(lora_name)`` (the last element of a prefix key)."""
-        for k in [k for k, e in self.prefix.items() if e.stamp != stamp_of(k[-1])]:
-            self.drop_prefix(k)
-
-    def _evict_prefix_for(self, needed: int, keep=None) -> bool:
-        while self.kv.num_free_blocks < needed:
-            victim = next((k for k in self.prefix if k != keep), None)
-            if victim is None:
-                return False
-            self.drop_prefix(victim)
-        return True
-
     def allocate(self, n: int, keep=None) -> list[int] | None:
-        if not self._evict_prefix_for(n, keep):
+        """``n`` free blocks, evicting prefix entries (never ``keep``) if needed; None when there are not enough."""
+        if not self.prefix.evict_for(n, keep):
             return None
         return self.kv.allocate(n)
 
@@ -131,9 +94,9 @@ class Scheduler:
                 need = (0 if cached else self.blocks_for(cost)) + len(members) * partial
             # Leave some room for running sequences to grow before taking new ones.
             reserve = len(self.running) // 4
-            if self.kv.num_free_blocks - reserve < need and not self._evict_prefix_for(need + reserve, key):
+            if self.kv.num_free_blocks - reserve < need and not self.prefix.evict_for(need + reserve, key):
                 alone = not self.running and not groups
-                if not (alone and self._evict_prefix_for(need, key)):
+                if not (alone and self.prefix.evict_for(need, key)):
                     break
             for s in members:
                 self.waiting.remove(s)

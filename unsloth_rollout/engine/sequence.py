@@ -63,12 +63,10 @@ class Sequence:
         self.kv_version = 0
         seed = sampling.seed
         self.rng = random.Random(sample_stream_seed(seed, sample_index)) if seed is not None else None
-        self.abort_requested = False
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
-        self.penalty_counts = None  # lazily built token-count tensor for frequency/presence penalties
 
     @property
     def prompt_ids(self) -> list[int]:

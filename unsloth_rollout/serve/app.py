@@ -409,14 +409,8 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(_metrics_text(state), media_type="text/plain; version=0.0.4")
 
     async def _pause(mode: str, clear_cache: bool) -> None:
-        if mode == "wait":  # hold new requests at the door, let in-flight ones finish, then freeze
+        if mode == "wait":  # hold new requests at the door; the engine returns once in-flight ones finish
             state.gate.clear()
-            while True:
-                s = engine.stats()
-                if s["num_running"] + s["num_waiting"] == 0:
-                    break
-                await asyncio.sleep(0.02)
-            mode = "keep"
         await asyncio.to_thread(engine.pause, mode, HTTP_PAUSE)
         if clear_cache and mode == "abort":
             await asyncio.to_thread(engine.invalidate_prefix_cache)

@@ -17,7 +17,8 @@ from starlette.background import BackgroundTask
 
 from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body
-from .state import ClientDisconnected, EngineStream, ServerState, run_until_disconnect
+from ..engine.engine import RequestStream
+from .state import ClientDisconnected, ServerState, run_until_disconnect
 from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
 
 # Engine field -> request field, for the ``param`` of a 400.
@@ -333,7 +334,7 @@ def completion_response(state, req: CompletionRequest, prep: Prepared, results: 
 
 
 # ====================================================================== streaming
-async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream: EngineStream, rid: str):
+async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream, rid: str):
     model = req.model or state.model_name
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -356,7 +357,7 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
     extra = {"prompt_token_ids": prep.prompt_ids[0]} if req.return_token_ids else {}
     yield chunk(first, _usage(prompt_len, 0) if continuous else None, **extra)
     try:
-        async for _, d in stream.deltas():
+        async for _, d in stream:
             i = d.sample_index
             ntoks[i] += len(d.token_ids)
             texts[i] += d.text
@@ -398,7 +399,7 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
     yield "data: [DONE]\n\n"
 
 
-async def _completion_events(state, req: CompletionRequest, prep: Prepared, stream: EngineStream, rid: str):
+async def _completion_events(state, req: CompletionRequest, prep: Prepared, stream: RequestStream, rid: str):
     model = req.model or state.model_name
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -414,7 +415,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
         return _usage(prompt_tokens, sum(ntoks))
 
     try:
-        async for k, d in stream.deltas():
+        async for k, d in stream:
             idx = k * n + d.sample_index
             ntoks[idx] += len(d.token_ids)
             texts[idx] += d.text
@@ -465,7 +466,7 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
     state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
     try:
         if req.stream:
-            stream = EngineStream(state.engine, prep.requests)
+            stream = state.engine.stream_many(prep.requests)
             return StreamingResponse(_chat_events(state, req, prep, stream, rid), media_type="text/event-stream",
                                      background=BackgroundTask(stream.close))
         (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
@@ -486,7 +487,7 @@ async def completions(state: ServerState, req: CompletionRequest, raw) -> Respon
     state.counters["prompt_tokens"] += sum(len(p) for p in prep.prompt_ids)
     try:
         if req.stream:
-            stream = EngineStream(state.engine, prep.requests)
+            stream = state.engine.stream_many(prep.requests)
             return StreamingResponse(_completion_events(state, req, prep, stream, rid),
                                      media_type="text/event-stream", background=BackgroundTask(stream.close))
         results = await run_until_disconnect(state.engine, prep.requests, raw)

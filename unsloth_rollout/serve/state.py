@@ -1,6 +1,6 @@
 """ServerState: what every endpoint shares (the engine, names, limits, counters) and engine I/O helpers.
 
-``EngineStream`` and ``run_until_disconnect`` submit to the engine *before* any response byte is
+``engine.stream_many`` (streams) and ``run_until_disconnect`` submit to the engine *before* any response byte is
 sent, so invalid input is a 400 and not a broken stream, and both abort the engine request (freeing
 its KV) when the client goes away.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import time
 from dataclasses import dataclass, field
 
@@ -84,49 +83,6 @@ class ServerState:
     def count_finished(self, out) -> None:
         self.counters["generation_tokens"] += len(out.output_ids)
         self.counters[("finished", out.finish_reason or "unknown")] += 1
-
-
-class EngineStream:
-    """Submit requests now (errors raise here); iterate ``(request_index, StreamDelta)`` later.
-
-    Leaving the iteration early (client disconnect, error) aborts whatever is still running.
-    """
-
-    def __init__(self, engine, requests: list):
-        loop = asyncio.get_running_loop()
-        self.engine = engine
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.futures: list[tuple[str, concurrent.futures.Future]] = []
-        try:
-            for k, req in enumerate(requests):
-                fut = engine.submit(req, on_delta=lambda d, k=k: loop.call_soon_threadsafe(self.queue.put_nowait,
-                                                                                          (k, d)))
-                # Queued after the last delta: both are put from the engine thread, in order.
-                fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(self.queue.put_nowait, (k, None)))
-                self.futures.append((req.request_id, fut))
-        except BaseException:
-            self.close()
-            raise
-
-    async def deltas(self):
-        remaining = len(self.futures)
-        try:
-            while remaining:
-                k, d = await self.queue.get()
-                if d is None:
-                    remaining -= 1
-                    exc = self.futures[k][1].exception()
-                    if exc is not None:
-                        raise exc
-                    continue
-                yield k, d
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for rid, fut in self.futures:
-            if not fut.done():
-                self.engine.abort(rid)
 
 
 async def _wait_disconnect(raw_request) -> None:

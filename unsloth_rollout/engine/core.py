@@ -1,0 +1,293 @@
+"""EngineCore: one step of continuous batching — schedule, run, sample, output. No threads.
+
+``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct
+prompt), decodes one token for every running sequence, samples, and hands finished samples to their
+``on_event`` callback. ``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio,
+pause and weight-change bookkeeping on top.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+import os
+import threading
+import time
+
+import torch
+
+from .attention import ModelNotServableError
+from .config import EngineConfig
+from .inputs import InputPreparer
+from .kv_cache import KVCache
+from .output import OutputProcessor
+from .prefix_cache import PrefixEntry, prefix_key
+from .runner import ModelRunner, _text_dims
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+logger = logging.getLogger("unsloth_rollout")
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_kv_cache(policy, config: EngineConfig) -> KVCache:
+    """The paged KV cache, sized from ``kv_cache_memory_bytes`` (or a fraction of free memory)."""
+    layers, kv_heads, head_dim = _text_dims(policy.text_config)
+    dtype = policy.dtype if policy.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
+    device = policy.device
+    per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        budget = int(_available_memory_bytes(device) * config.kv_cache_memory_fraction)
+        if device.type != "cuda":
+            budget = min(budget, 1 << 30)
+    num_blocks = max(1, budget // (per_token * config.block_size))
+    return KVCache(layers, kv_heads, head_dim, num_blocks, config.block_size, dtype, device)
+
+
+def eos_token_ids(policy) -> list[int]:
+    """EOS ids from the generation config (one or a list) and the tokenizer."""
+    ids = set()
+    gc = getattr(policy.base_model, "generation_config", None)
+    e = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for x in (e if isinstance(e, (list, tuple)) else [e]):
+        if isinstance(x, int):
+            ids.add(x)
+    if policy.tokenizer.eos_token_id is not None:
+        ids.add(policy.tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class WeightsClock:
+    """The weight version tokens are stamped with, and stamps saying which weights computed a KV entry.
+
+    Bumped by every weight change (through ``RolloutEngine.weights_changed``); thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.version = 0
+        self._epoch = 0
+        self._adapters: dict[str, int] = {}
+
+    def bump(self, version: int | None, lora_name: str | None) -> None:
+        with self._lock:
+            if lora_name is None:
+                self._epoch += 1
+            else:
+                self._adapters[lora_name] = self._adapters.get(lora_name, 0) + 1
+            if version is not None:
+                self.version = int(version)
+
+    def snapshot(self):
+        """(version, stamp_of(lora_name)) as of now."""
+        with self._lock:
+            version, epoch, adapters = self.version, self._epoch, dict(self._adapters)
+        return version, lambda name: (epoch, adapters.get(name, 0))
+
+
+class EngineCore:
+    def __init__(self, policy, config: EngineConfig, seed: int | None = None):
+        self.policy = policy
+        self.config = config
+        self.tokenizer = policy.tokenizer
+        self.inputs = InputPreparer(policy)
+        self.kv = build_kv_cache(policy, config)
+        model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
+        self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
+                                 model_max)
+        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode)
+        self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
+        self.eos_ids = eos_token_ids(policy)
+        suppress = self.inputs.vision_token_ids() if (policy.is_vlm and config.suppress_vision_tokens) else []
+        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
+        self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
+        self.weights = WeightsClock()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "finished": 0,
+                      "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
+
+    # ================================================================== the step
+    def step(self) -> int:
+        """Run one step; returns the number of tokens produced. ModelNotServableError propagates."""
+        if not self.scheduler.has_work():
+            return 0
+        t0 = time.perf_counter()
+        produced = 0
+        policy = self.policy
+        # The mode switch walks every module: only when a trainer left the policy in training mode.
+        with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
+            version, stamp_of = self.weights.snapshot()
+            self.apply_weight_changes(stamp_of)
+            plan = self._schedule()
+            if plan is not None:
+                if plan.decode:
+                    produced += self._decode(plan.decode, version)
+                for group in plan.prefill_groups:
+                    produced += self._prefill(group, version, stamp_of)
+        self.stats["steps"] += 1
+        self.stats["busy_s"] += time.perf_counter() - t0
+        return produced
+
+    def _schedule(self):
+        try:
+            return self.scheduler.schedule()
+        except Exception as e:  # never leave sequences queued behind a broken scheduler: fail them
+            logger.exception("unsloth_rollout: scheduling failed")
+            self.fail_all(f"scheduling failed: {type(e).__name__}: {e}")
+            return None
+
+    def apply_weight_changes(self, stamp_of) -> None:
+        """Drop prefix entries computed by other weights and, by default, put every sequence whose KV was
+        computed by other weights back in line to be recomputed (as preemption does)."""
+        sch = self.scheduler
+        sch.prefix.drop_stale(stamp_of)
+        if not self.config.recompute_on_weight_change:
+            return
+        for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
+            if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
+                sch.preempt(s, count=False)
+                self.stats["weight_recomputes"] += 1
+
+    def _prefill(self, group: list[Sequence], version: int, stamp_of) -> int:
+        try:
+            if group[0].output_ids:  # resumed after preemption: recompute prompt + output privately
+                return self._recompute(group[0], version, stamp_of)
+            return self._prefill_group(group, version, stamp_of)
+        except ModelNotServableError:
+            raise
+        except Exception as e:
+            logger.exception("unsloth_rollout: prefill failed for request %s", group[0].request_id)
+            for s in group:
+                if not s.finished:
+                    self.finish(s, "abort", error=f"prefill failed: {type(e).__name__}: {e}")
+            return 0
+
+    def _recompute(self, seq: Sequence, version: int, stamp_of) -> int:
+        sch = self.scheduler
+        blocks = sch.allocate(sch.blocks_for(seq.num_tokens))
+        if blocks is None:
+            sch.preempt(seq, count=False)
+            return 0
+        seq.block_table = blocks
+        logits, delta = self.runner.prefill(seq.all_ids, self.kv.slots(blocks, 0, seq.num_tokens), seq.prompt,
+                                            seq.lora_name)
+        seq.num_cached, seq.rope_delta = seq.num_tokens, delta
+        seq.kv_stamp, seq.kv_version = stamp_of(seq.lora_name), version
+        self.stats["prefill_tokens"] += seq.num_tokens
+        self.stats["prefills"] += 1
+        return self._sample([seq], logits.unsqueeze(0), version)
+
+    def _prefill_group(self, group: list[Sequence], version: int, stamp_of) -> int:
+        """Prefill a group's shared prompt once (or find it in the prefix cache); every member shares it."""
+        sch, prefix, head = self.scheduler, self.scheduler.prefix, group[0]
+        key = prefix_key(head)
+        entry = prefix.lookup(key)
+        if entry is None:
+            n = len(head.prompt_ids)
+            blocks = sch.allocate(sch.blocks_for(n), keep=key)
+            if blocks is None:  # memory went elsewhere this step: wait in line, first
+                for s in reversed(group):
+                    sch.preempt(s, count=False)
+                return 0
+            try:
+                logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n), head.prompt,
+                                                    head.lora_name)
+            except Exception:
+                self.kv.free(blocks)
+                raise
+            entry = PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name))
+            prefix.insert(key, entry)
+            self.stats["prefill_tokens"] += n
+            self.stats["prefills"] += 1
+            prefix.hits += len(group) - 1
+        else:
+            prefix.hits += len(group)
+        for s in group:
+            own = []
+            if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
+                sch.preempt(s, count=False)
+                continue
+            s.block_table, s.num_cached, s.rope_delta = prefix.share(entry, own), entry.num_tokens, entry.rope_delta
+            s.kv_stamp, s.kv_version = entry.stamp, entry.version
+        if not prefix.enabled:
+            prefix.drop(key)
+        ready = [s for s in group if s.status == Status.RUNNING]
+        if not ready:
+            return 0
+        return self._sample(ready, entry.logits.unsqueeze(0).expand(len(ready), -1), version)
+
+    def _decode(self, seqs: list[Sequence], version: int) -> int:
+        try:
+            logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
+                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs],
+                                        [s.lora_name for s in seqs])
+        except ModelNotServableError:
+            raise
+        except Exception as e:  # fail this batch, never leave it stuck in the running list
+            logger.exception("unsloth_rollout: decode step failed")
+            for s in seqs:
+                if not s.finished:
+                    self.finish(s, "abort", error=f"decode failed: {type(e).__name__}: {e}")
+            return 0
+        for s in seqs:
+            s.num_cached += 1
+        self.stats["decode_tokens"] += len(seqs)
+        return self._sample(seqs, logits, version)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, version: int) -> int:
+        res = self.sampler(logits, seqs)
+        for i, s in enumerate(seqs):
+            tok, lp = res.tokens[i], res.logprobs[i]
+            if not math.isfinite(lp):  # never hand back NaN/inf as a logprob: fail this sample, by name
+                self.finish(s, "abort", error=f"NonFiniteLogprob: output_logprobs: the logprob of token {tok} "
+                            f"at output position {len(s.output_ids)} is {lp} (non-finite model output); "
+                            f"the sample is failed instead of returned")
+                continue
+            s.append(tok, lp, version, res.top[i], min(s.kv_version, version))
+            reason, stop = self.output.check_stop(s, tok)
+            if reason is not None:
+                self.finish(s, reason, stop)
+            elif s.on_event is not None:
+                s.on_event(s, False)
+        return len(seqs)
+
+    # ================================================================== sequences in and out
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.scheduler.waiting) + list(self.scheduler.running)
+
+    def finish(self, s: Sequence, reason: str, stop=None, error: str | None = None) -> None:
+        sch = self.scheduler
+        if s.status == Status.RUNNING and s in sch.running:
+            sch.running.remove(s)
+        elif s.status == Status.WAITING and s in sch.waiting:
+            sch.waiting.remove(s)
+        sch.free_seq(s)
+        self.output.finalize_text(s)
+        s.finish(reason, stop, error)
+        self.stats["finished"] += 1
+        if reason == "abort":
+            self.stats["aborted"] += 1
+        if error:
+            self.stats["errors"] += 1
+        if s.on_event is not None:
+            s.on_event(s, True)
+
+    def fail_all(self, error: str) -> None:
+        for s in self.sequences():
+            self.finish(s, "abort", error=error)
