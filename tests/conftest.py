@@ -60,13 +60,23 @@ def mm_token_type_ids(ids: torch.Tensor, config) -> torch.Tensor:
     return tt
 
 
-def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None):
-    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle)."""
+def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,
+                            mm=None):
+    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle).
+
+    ``mm``: any other family's processor outputs for the prompt (pixel_values, image_sizes, token_type_ids ...);
+    per-token ones are extended over the output as text (0)."""
     full = torch.tensor([list(prompt_ids) + list(output_ids)])
     kw = {}
     if pixel_values is not None:
         kw = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
               "mm_token_type_ids": mm_token_type_ids(full, policy.config)}
+    for k, v in (mm or {}).items():
+        if k in ("input_ids", "attention_mask"):
+            continue
+        if k in ("token_type_ids", "mm_token_type_ids"):
+            v = torch.nn.functional.pad(v, (0, len(output_ids)))
+        kw[k] = v
     policy.clear_rope_deltas()
     with torch.no_grad():
         logits = policy.model(input_ids=full, **kw).logits[0, len(prompt_ids) - 1:-1].float()

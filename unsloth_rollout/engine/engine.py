@@ -450,7 +450,7 @@ class RolloutEngine:
                 head.block_table = blocks
                 logits, delta = self.runner.prefill(head.all_ids, self.kv.slots(blocks, 0, head.num_tokens),
                                                     head.prompt.pixel_values, head.prompt.image_grid_thw,
-                                                    head.lora_name)
+                                                    head.lora_name, extra=head.prompt.extra)
                 head.num_cached, head.rope_delta = head.num_tokens, delta
                 self._stats["prefill_tokens"] += head.num_tokens
                 self._stats["prefills"] += 1
@@ -467,7 +467,7 @@ class RolloutEngine:
                 try:
                     logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n),
                                                         head.prompt.pixel_values, head.prompt.image_grid_thw,
-                                                        head.lora_name)
+                                                        head.lora_name, extra=head.prompt.extra)
                 except Exception:
                     self.kv.free(blocks)
                     raise

@@ -24,6 +24,7 @@ from typing import Any
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 try:  # transformers >= 5.17 splits the PIL and torchvision image processors
@@ -39,6 +40,7 @@ __all__ = [
     "VLM_MODEL_TYPES",
     "Qwen2VLImageOnlyProcessor",
     "Qwen2_5_VLImageOnlyProcessor",
+    "Qwen3VLImageOnlyProcessor",
     "is_vlm_config",
     "load_processor",
 ]
@@ -109,9 +111,23 @@ class Qwen2_5_VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
     _standard_class = Qwen2_5_VLProcessor
 
 
+class Qwen3VLImageOnlyProcessor(_ImageOnlyMixin, Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without the video processor (no torchvision needed)."""
+
+    _standard_class = Qwen3VLProcessor
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+
+
 _IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
     "qwen2_vl": Qwen2VLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "qwen3_vl": Qwen3VLImageOnlyProcessor,
 }
 
 
