@@ -26,6 +26,8 @@ VLM_FAMILIES = {
     "gemma3": "Gemma 3 (image tokens attend bidirectionally within each image; sliding/full layers)",
     "llava": "Llava (CLIP features replace the <image> tokens; 1-D positions)",
     "qwen3_vl": "Qwen3-VL (interleaved M-RoPE, deepstack visual features)",
+    "mistral3": "Mistral 3 / Mistral Small 3.1 (Pixtral vision tower at native resolution, image_sizes; sliding "
+                "window)",
 }
 # Families Unsloth trains that the engine knowingly cannot serve yet, with the reason.
 REFUSED_FAMILIES = {

@@ -131,6 +131,35 @@ _IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
 }
 
 
+def ensure_pixtral_importable() -> None:
+    """Make ``PixtralProcessor`` (Pixtral, Mistral 3) importable without torchvision.
+
+    transformers 5.x's ``processing_pixtral`` imports one helper, ``get_resize_output_image_size``, from the
+    torchvision image-processor module whenever PIL is present; without torchvision that import fails and
+    the processor cannot be built at all, although it needs nothing from torchvision. The PIL module has the
+    same function; this registers a module holding just that function under the torchvision module's
+    name. A no-op where the real module imports."""
+    import importlib
+    import sys
+    import types
+
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    if name in sys.modules:
+        return
+    try:
+        importlib.import_module(name)
+        return
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("torchvision"):
+            raise
+    from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+    stand_in = types.ModuleType(name)
+    stand_in.get_resize_output_image_size = pil.get_resize_output_image_size
+    stand_in.__doc__ = "unsloth_rollout stand-in (torchvision is not installed): the PIL module's resize helper"
+    sys.modules[name] = stand_in
+
+
 def is_vlm_config(config: Any) -> bool:
     """True when ``config`` describes a vision-language model (a Qwen2-VL family type or any vision tower).
 
@@ -162,6 +191,8 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
         config = AutoConfig.from_pretrained(path)
     if not is_vlm_config(config) and not _has_preprocessor_config(path):
         return None
+    if getattr(config, "model_type", None) in ("mistral3", "pixtral", "llava"):  # Llava folders of Pixtral too
+        ensure_pixtral_importable()
 
     try:
         processor = AutoProcessor.from_pretrained(path)
@@ -173,6 +204,13 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
         reason, cause = f"AutoProcessor returned a {type(processor).__name__} without an image processor", None
 
     model_type = getattr(config, "model_type", None)
+    if model_type in ("mistral3", "pixtral"):
+        # AutoProcessor's lazy PixtralProcessor is a placeholder demanding torchvision; the class itself,
+        # imported from its module (ensure_pixtral_importable), runs on the PIL image processor.
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+        logger.warning("load_processor(%s): %s; using PixtralProcessor with the PIL image processor", path, reason)
+        return PixtralProcessor.from_pretrained(path)
     fallback = _IMAGE_ONLY_PROCESSORS.get(model_type)
     if fallback is None:
         raise ValueError(f"cannot load a processor for model_type={model_type!r} from {path}: {reason}") from cause

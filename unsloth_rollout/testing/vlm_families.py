@@ -43,6 +43,8 @@ _TOKENS = {
                                     "image_token": "<image_soft_token>"}),
     "llava": ("<image>", {"image_token": "<image>"}),
     "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", {}),
+    "mistral3": ("[IMG]", {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                           "image_end_token": "[IMG_END]"}),
 }
 VLM_FAMILIES = tuple(_TOKENS)
 
@@ -151,7 +153,28 @@ def _qwen3_vl(tok, common):
     return config, processor
 
 
-_BUILDERS = {"gemma3": _gemma3, "llava": _llava, "qwen3_vl": _qwen3_vl}
+def _mistral3(tok, common):
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from ..models.processor import ensure_pixtral_importable
+
+    ensure_pixtral_importable()
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    text = MistralConfig(**_TEXT, **common, sliding_window=8)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=16, image_size=56, patch_size=7)
+    config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
+                            spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False)
+    # Native resolution up to 56 px: images of different sizes give different token grids (image_sizes).
+    image_processor = PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
+    processor = PixtralProcessor(image_processor=image_processor, tokenizer=tok, patch_size=7, spatial_merge_size=2,
+                                 chat_template=tok.chat_template)
+    return config, processor
+
+
+_BUILDERS = {"gemma3": _gemma3, "llava": _llava, "qwen3_vl": _qwen3_vl, "mistral3": _mistral3}
 
 
 def _write(path: pathlib.Path, family: str, seed: int) -> None:
