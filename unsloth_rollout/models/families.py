@@ -28,6 +28,7 @@ VLM_FAMILIES = {
     "qwen3_vl": "Qwen3-VL (interleaved M-RoPE, deepstack visual features)",
     "mistral3": "Mistral 3 / Mistral Small 3.1 (Pixtral vision tower at native resolution, image_sizes; sliding "
                 "window)",
+    "idefics3": "Idefics3 (SigLIP crops + global view, pixel_attention_mask, pixel-shuffle connector)",
 }
 # Families Unsloth trains that the engine knowingly cannot serve yet, with the reason.
 REFUSED_FAMILIES = {

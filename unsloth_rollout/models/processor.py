@@ -213,9 +213,45 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
         return PixtralProcessor.from_pretrained(path)
     fallback = _IMAGE_ONLY_PROCESSORS.get(model_type)
     if fallback is None:
+        processor = _with_pil_image_processor(path, model_type)
+        if processor is not None:
+            logger.warning("load_processor(%s): %s; using %s with the PIL image processor", path, reason,
+                           type(processor).__name__)
+            return processor
         raise ValueError(f"cannot load a processor for model_type={model_type!r} from {path}: {reason}") from cause
     logger.warning("load_processor(%s): %s; using %s", path, reason, fallback.__name__)
     return fallback.from_pretrained(path)
+
+
+def _with_pil_image_processor(path: str, model_type: str | None) -> ProcessorMixin | None:
+    """The family's own processor class around its PIL image processor, built from the folder's files.
+
+    Some PIL image processors (Idefics3's in transformers 5.17) are registered as needing torchvision, so
+    AutoProcessor refuses them although their module imports and runs without it."""
+    import importlib
+    import inspect
+
+    if not model_type or not os.path.isfile(os.path.join(path, "processor_config.json")):
+        return None
+    try:
+        proc_mod = importlib.import_module(f"transformers.models.{model_type}.processing_{model_type}")
+        pil_mod = importlib.import_module(f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+    except ImportError:
+        return None
+    with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    proc_cls = getattr(proc_mod, data.get("processor_class", ""), None)
+    pil_cls = next((c for n, c in vars(pil_mod).items() if n.endswith("ImageProcessorPil") and inspect.isclass(c)),
+                   None)
+    if proc_cls is None or pil_cls is None:
+        return None
+    kwargs = {k: v for k, v in data.items() if k != "processor_class" and not isinstance(v, dict)}
+    template = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            kwargs["chat_template"] = f.read()
+    return proc_cls(image_processor=pil_cls.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path),
+                    **kwargs)
 
 
 def _has_preprocessor_config(path: str) -> bool:

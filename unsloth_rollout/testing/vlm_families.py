@@ -45,7 +45,11 @@ _TOKENS = {
     "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", {}),
     "mistral3": ("[IMG]", {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}),
+    "idefics3": ("<image>", {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}),
 }
+# Plain added tokens some processors write (Idefics3's crop-position tags).
+_EXTRA_TOKENS = {"idefics3": [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]}
 VLM_FAMILIES = tuple(_TOKENS)
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -86,6 +90,8 @@ def _tokenizer(family: str):
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named.values())],
                    special_tokens=True)
     tok._set_model_specific_special_tokens(named)  # tokenizer.image_token / boi_token ..., saved with it
+    if family in _EXTRA_TOKENS:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _EXTRA_TOKENS[family]])
     tok.chat_template = _TEMPLATE.replace("IMAGE", placeholder)
     return tok
 
@@ -174,7 +180,27 @@ def _mistral3(tok, common):
     return config, processor
 
 
-_BUILDERS = {"gemma3": _gemma3, "llava": _llava, "qwen3_vl": _qwen3_vl, "mistral3": _mistral3}
+def _idefics3(tok, common):
+    from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    text = LlamaConfig(**_TEXT, **common)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=28, patch_size=7)
+    config = Idefics3Config(vision_config=vision, text_config=text, image_token_id=tok.image_token_id, scale_factor=2,
+                            tie_word_embeddings=False, pad_token_id=common["pad_token_id"])
+    # Images resized to at most 56 px and split into 28 px crops plus a global view: 1-5 crops of 4 tokens each,
+    # padded across a prompt's images with pixel_attention_mask.
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 56},
+                                                max_image_size={"longest_edge": 28})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                                  chat_template=tok.chat_template)
+    return config, processor
+
+
+_BUILDERS = {"gemma3": _gemma3, "llava": _llava, "qwen3_vl": _qwen3_vl, "mistral3": _mistral3,
+             "idefics3": _idefics3}
 
 
 def _write(path: pathlib.Path, family: str, seed: int) -> None:
