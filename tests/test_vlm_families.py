@@ -117,3 +117,41 @@ def test_vlm_family_mixed_batch_exact(family):
             assert torch.isfinite(got).all()
             worst = max(worst, (got - ref).abs().max().item())
         assert worst <= 1e-5, f"{family}: logprob drift {worst:.2e} from a teacher-forced forward"
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_vlm_family_prompt_forms_agree(family):
+    """Chat messages, token ids with one placeholder per image (ArealOpenAI) and ids the processor already
+    expanded (AReaL's VisionRLVRWorkflow) give the same prompt, pixels and tokens; a wrong count is refused by
+    field."""
+    policy = load_model(str(vlm_family_path(family)), backend="transformers")
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    imgs = random_images(2, seed=11)
+    msgs = messages(3, 2)
+    text = policy.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    expanded = processor_inputs(policy, GenerationRequest(messages=msgs, images=imgs))["input_ids"][0].tolist()
+    placeholder = policy.tokenizer.encode(text, add_special_tokens=False)
+    assert len(placeholder) < len(expanded)
+    sp = SamplingParams(max_new_tokens=6, temperature=0)
+    outs = engine.generate([GenerationRequest(messages=msgs, images=imgs, sampling=sp),
+                            GenerationRequest(input_ids=placeholder, images=imgs, sampling=sp),
+                            GenerationRequest(input_ids=expanded, images=imgs, sampling=sp),
+                            GenerationRequest(input_ids=placeholder, images=imgs[:1], sampling=sp)])
+    engine.shutdown()
+    assert all(o.error is None for o in outs[:3]), [o.error for o in outs]
+    assert all(o.prompt_ids == expanded for o in outs[:3])
+    assert len({tuple(o.output_ids) for o in outs[:3]}) == 1
+    assert outs[3].error is not None and "input_ids" in outs[3].error
+
+
+def test_mllama_refused_at_load(tmp_path):
+    """Llama 3.2 Vision (cross-attention to image features) is refused by name, before any weight loads."""
+    from transformers import MllamaConfig
+
+    from unsloth_rollout import UnsupportedModelError
+
+    MllamaConfig().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"'mllama'.*cross-attention.*vision-language: .*gemma3"):
+        load_model(str(tmp_path), backend="transformers")
+    with pytest.raises(UnsupportedModelError, match="cross-attention"):
+        load_model(str(tmp_path), backend="transformers", allow_unverified_family=True)
