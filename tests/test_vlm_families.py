@@ -136,12 +136,14 @@ def test_vlm_family_prompt_forms_agree(family):
     outs = engine.generate([GenerationRequest(messages=msgs, images=imgs, sampling=sp),
                             GenerationRequest(input_ids=placeholder, images=imgs, sampling=sp),
                             GenerationRequest(input_ids=expanded, images=imgs, sampling=sp),
-                            GenerationRequest(input_ids=placeholder, images=imgs[:1], sampling=sp)])
+                            GenerationRequest(input_ids=placeholder, images=imgs[:1], sampling=sp),
+                            GenerationRequest(input_ids=placeholder, sampling=sp)])
     engine.shutdown()
     assert all(o.error is None for o in outs[:3]), [o.error for o in outs]
     assert all(o.prompt_ids == expanded for o in outs[:3])
     assert len({tuple(o.output_ids) for o in outs[:3]}) == 1
     assert outs[3].error is not None and "input_ids" in outs[3].error
+    assert outs[4].error is not None and "no image" in outs[4].error
 
 
 def test_mllama_refused_at_load(tmp_path):

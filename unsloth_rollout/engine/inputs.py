@@ -287,6 +287,8 @@ class InputPreparer:
             return self._with_processor(ids, images)
         n_placeholders = sum(1 for t in ids if t == self.image_token_id)
         if not images:
+            placeholder_id = self._token_id(getattr(self.processor, "image_token", None))
+            n_placeholders += sum(1 for t in ids if t == placeholder_id and t != self.image_token_id)
             if n_placeholders:
                 raise InvalidRequestError("images", f"the prompt has {n_placeholders} image token(s) but no image")
             return PreparedPrompt(ids)
