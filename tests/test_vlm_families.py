@@ -157,3 +157,21 @@ def test_mllama_refused_at_load(tmp_path):
         load_model(str(tmp_path), backend="transformers")
     with pytest.raises(UnsupportedModelError, match="cross-attention"):
         load_model(str(tmp_path), backend="transformers", allow_unverified_family=True)
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_vlm_fixture_images_and_masks_matter(family):
+    """The fixtures make the parity test able to fail: the pixels change the next-token logits, and for Gemma 3
+    so does the bidirectional attention inside each image (an engine attending causally there would differ)."""
+    policy = load_model(str(vlm_family_path(family)), backend="transformers")
+    req = GenerationRequest(messages=messages(1, 1), images=random_images(1, seed=1))  # the image within reach
+    inputs = processor_inputs(policy, req)
+    other = processor_inputs(policy, GenerationRequest(messages=req.messages, images=[
+        random_images(1, seed=2)[0].resize(req.images[0].size)]))
+    assert other["input_ids"].tolist() == inputs["input_ids"].tolist()
+    with torch.no_grad():
+        base = policy.model(**inputs).logits[0, -1]
+        assert (policy.model(**other).logits[0, -1] - base).abs().max() > 1e-2
+        if "token_type_ids" in inputs:
+            causal = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+            assert (policy.model(**causal).logits[0, -1] - base).abs().max() > 1e-2

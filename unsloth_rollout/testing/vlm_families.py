@@ -11,6 +11,12 @@ Family features switched on at sizes a short prompt reaches:
 - ``gemma3``: 9 image tokens per image attending bidirectionally within the image (``token_type_ids``),
   sliding windows of 8 tokens (shorter than one image block plus its neighbours), two RoPE bases.
 - ``llava``: CLIP tower, the features of layer -2 without the CLS token replace the ``<image>`` tokens.
+- ``qwen3_vl``: interleaved M-RoPE (t/h/w sections 4/2/2 over head_dim 16), deepstack features from both
+  vision layers added into the first decoder layers, 1-16 merged tokens per image.
+- ``mistral3``: Pixtral tower at native resolution up to 56 px (``image_sizes``; ``[IMG_BREAK]`` per row),
+  patch merger, sliding window of 16 tokens on every layer.
+- ``idefics3``: images split into 28 px crops plus a global view (``pixel_attention_mask`` pads a prompt's
+  images to the same crop count), pixel-shuffle connector, crop-position tags.
 
 Example::
 
@@ -26,7 +32,7 @@ import pathlib
 import shutil
 import tempfile
 
-_FORMAT_VERSION = "v1"
+_FORMAT_VERSION = "v2"
 _MARKER = "unsloth_rollout_vlm_family.json"
 
 # Chat template: Qwen-style turns; each image part becomes the family's placeholder string (IMAGE).
@@ -168,7 +174,8 @@ def _mistral3(tok, common):
     ensure_pixtral_importable()
     from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 
-    text = MistralConfig(**_TEXT, **common, sliding_window=8)
+    # A window of 16 on every layer: longer prompts run past it, and the images stay within the 3 layers' reach.
+    text = MistralConfig(**_TEXT, **common, sliding_window=16)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                  head_dim=16, image_size=56, patch_size=7)
     config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
