@@ -2,7 +2,9 @@
 
 Images come as PIL images, bytes, base64 strings (or data URLs) or file paths. Token ids may be
 already expanded (AReaL's VisionRLVRWorkflow) or carry one placeholder per image (ArealOpenAI,
-hand-written prompts); the engine expands those itself, with its own processor.
+hand-written prompts); the engine expands those itself: Qwen-VL from ``image_grid_thw``, every other family
+with its own processor (which also returns the family's extra vision inputs: ``image_sizes``,
+``pixel_attention_mask`` ..., carried to the prefill forward in ``PreparedPrompt.extra``).
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ class InputPreparer:
             ids.append(self._token_id("<|vision_pad|>"))
             # The processor's own image markers (Pixtral's [IMG_BREAK]/[IMG_END], Idefics3's <global-img> ...).
             for name in ("image_token", "boi_token", "eoi_token", "image_break_token", "image_end_token",
-                         "fake_image_token", "global_image_token", "image_start_token"):
+                         "fake_image_token", "global_image_tag", "image_start_token"):
                 ids.append(self._token_id(getattr(self.processor, name, None)))
         return sorted({i for i in ids if isinstance(i, int)})
 
