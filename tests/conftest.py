@@ -56,8 +56,11 @@ def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
 
 
 def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,
-                            **vision):
+                            mm=None):
     """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle),
-    and the logits; see unsloth_rollout.testing.oracles."""
-    return teacher_forced(policy, prompt_ids, output_ids, temperature, pixel_values=pixel_values,
-                          image_grid_thw=image_grid_thw, **vision)
+    and the logits; see unsloth_rollout.testing.oracles. ``mm``: any other family's processor outputs for the
+    prompt (pixel_values, image_sizes, token_type_ids ...)."""
+    vision = {k: v for k, v in (mm or {}).items() if k not in ("input_ids", "attention_mask")}
+    if pixel_values is not None:
+        vision.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+    return teacher_forced(policy, prompt_ids, output_ids, temperature, **vision)

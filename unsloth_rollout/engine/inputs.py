@@ -2,7 +2,9 @@
 
 Images come as PIL images, bytes, base64 strings (or data URLs) or file paths. Token ids may be
 already expanded (AReaL's VisionRLVRWorkflow) or carry one placeholder per image (ArealOpenAI,
-hand-written prompts); the engine expands those itself, with its own processor.
+hand-written prompts); the engine expands those itself: Qwen-VL from ``image_grid_thw``, every other family
+with its own processor (which also returns the family's extra vision inputs: ``image_sizes``,
+``pixel_attention_mask`` ..., carried to the prefill forward in ``PreparedPrompt.extra``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import copy
 import hashlib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +27,12 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 # Formats PIL may decode from a request. Without a list PIL tries every plugin it has, EPS included, whose
 # load() runs Ghostscript on the client's PostScript: a program from the request, evaluated.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+# Families whose image tokens the engine expands itself from image_grid_thw (one placeholder token per merged
+# patch); every other family's own processor expands its placeholders.
+GRID_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Processor outputs that are not model inputs of the prefill forward (masks and token types the engine
+# derives from its own bookkeeping).
+_NOT_FORWARDED = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "num_crops")
 
 
 @dataclass
@@ -33,6 +41,9 @@ class PreparedPrompt:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_hashes: tuple[str, ...] = ()
+    # The family's other vision inputs for the prefill forward, as its processor returns them
+    # (image_sizes, pixel_attention_mask, ...).
+    extra: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple:
@@ -164,13 +175,24 @@ class InputPreparer:
         self.video_token_id = getattr(cfg, "video_token_id", None)
         vis = getattr(cfg, "vision_config", None)
         self.merge_size = getattr(vis, "spatial_merge_size", 2) if vis is not None else 2
+        self.grid = getattr(cfg, "model_type", None) in GRID_FAMILIES
+
+    def _token_id(self, token) -> int | None:
+        if not isinstance(token, str):
+            return None
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        return tid if isinstance(tid, int) and tid != self.tokenizer.unk_token_id else None
 
     def vision_token_ids(self) -> list[int]:
         cfg = self.policy.config
         ids = [getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                  "vision_end_token_id")]
-        pad = self.tokenizer.convert_tokens_to_ids("<|vision_pad|>") if self.policy.is_vlm else None
-        ids.append(pad if isinstance(pad, int) and pad != self.tokenizer.unk_token_id else None)
+                                                  "vision_end_token_id", "boi_token_id", "eoi_token_id")]
+        if self.policy.is_vlm:
+            ids.append(self._token_id("<|vision_pad|>"))
+            # The processor's own image markers (Pixtral's [IMG_BREAK]/[IMG_END], Idefics3's <global-img> ...).
+            for name in ("image_token", "boi_token", "eoi_token", "image_break_token", "image_end_token",
+                         "fake_image_token", "global_image_tag", "image_start_token"):
+                ids.append(self._token_id(getattr(self.processor, name, None)))
         return sorted({i for i in ids if isinstance(i, int)})
 
     def render_chat(self, messages: list[dict], tools=None, chat_template_kwargs=None,
@@ -201,6 +223,8 @@ class InputPreparer:
                     "images", f"messages have {len(inline)} image part(s) ({sum(s is None for s in inline)} "
                     f"without data) but {len(images)} image(s) were given")
             images = merged
+            if images and self.policy.is_vlm and not self.grid:
+                return self._with_images_text(text, images)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = req.input_ids
@@ -219,9 +243,66 @@ class InputPreparer:
             return PreparedPrompt(list(ids))
         return self._with_images(list(ids), images)
 
+    # ------------------------------------------------------------------ families whose processor expands images
+    def _load_images(self, images: list[Any]) -> list:
+        if self.processor is None:
+            raise InvalidRequestError("images", "this model has no image processor")
+        return [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
+
+    def _process(self, text: str, pil: list) -> dict:
+        try:
+            enc = self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
+        except Exception as e:
+            raise InvalidRequestError("images", f"images: the processor failed: {e}") from None
+        return dict(enc)
+
+    def _prompt(self, ids: list[int], enc: dict, pil: list) -> PreparedPrompt:
+        extra = {k: v for k, v in enc.items() if k not in _NOT_FORWARDED and k != "pixel_values"}
+        return PreparedPrompt(ids, enc["pixel_values"], None, tuple(image_hash(im) for im in pil), extra)
+
+    def _with_images_text(self, text: str, images: list[Any]) -> PreparedPrompt:
+        """Chat text with one placeholder per image: the family's processor expands it, as in training."""
+        pil = self._load_images(images)
+        enc = self._process(text, pil)
+        return self._prompt(enc["input_ids"][0].tolist(), enc, pil)
+
+    def _with_processor(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
+        """Token ids holding either one placeholder per image or the processor's full expansion."""
+        pil = self._load_images(images)
+        placeholder = getattr(self.processor, "image_token", None)
+        placeholder_id = self._token_id(placeholder)
+        if placeholder_id is None:
+            raise InvalidRequestError("images", "the processor of this model names no image placeholder token")
+        # Each image's expansion, as the processor writes it for a lone placeholder.
+        segments = [self._process(placeholder, [im])["input_ids"][0].tolist() for im in pil]
+        enc = self._process(placeholder * len(pil), pil)
+        per_image = [seg.count(self.image_token_id) for seg in segments]
+        n_image_tokens = sum(1 for t in ids if t == self.image_token_id)
+        n_placeholders = sum(1 for t in ids if t == placeholder_id)
+        if n_image_tokens == sum(per_image) and (placeholder_id == self.image_token_id or n_image_tokens):
+            expanded = ids
+        elif n_placeholders == len(pil):
+            expanded, k = [], 0
+            for t in ids:
+                if t == placeholder_id:
+                    expanded.extend(segments[k])
+                    k += 1
+                else:
+                    expanded.append(t)
+        else:
+            raise InvalidRequestError(
+                "input_ids", f"input_ids has {n_image_tokens} image tokens and {n_placeholders} placeholder(s); for "
+                f"{len(pil)} image(s) expected {len(pil)} placeholder(s) {placeholder!r} or {sum(per_image)} "
+                "expanded image tokens")
+        return self._prompt(expanded, enc, pil)
+
     def _with_images(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
+        if images and not self.grid:
+            return self._with_processor(ids, images)
         n_placeholders = sum(1 for t in ids if t == self.image_token_id)
         if not images:
+            placeholder_id = self._token_id(getattr(self.processor, "image_token", None))
+            n_placeholders += sum(1 for t in ids if t == placeholder_id and t != self.image_token_id)
             if n_placeholders:
                 raise InvalidRequestError("images", f"the prompt has {n_placeholders} image token(s) but no image")
             return PreparedPrompt(ids)

@@ -19,6 +19,21 @@ from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementatio
 from .inputs import mm_token_type_ids
 from .kv_cache import CacheView, KVCache
 
+# Families whose image tokens attend bidirectionally within one image in prefill (transformers builds the mask
+# from token_type_ids; the engine from the image token's runs, see image_block_ids).
+BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3",)
+
+
+def image_block_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
+    """[B, L] id of the image each token belongs to (-1: text): one id per run of consecutive image tokens,
+    as Gemma 3's ``get_block_sequence_ids_for_mask`` numbers them. None when there is no image token."""
+    is_image = input_ids == image_token_id
+    if not bool(is_image.any()):
+        return None
+    prev = torch.nn.functional.pad(is_image, (1, 0), value=False)[:, :-1]
+    ids = torch.cumsum((is_image & ~prev).int(), dim=1) - 1
+    return torch.where(is_image, ids, torch.full_like(ids, -1))
+
 def _text_dims(cfg) -> tuple[int, int, int]:
     layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
@@ -40,11 +55,14 @@ class ModelRunner:
         self.policy = policy
         self.kv = kv_cache
         self.device = policy.device
-        self.mrope = policy.is_vlm
         cfg = policy.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
         self.video_token_id = getattr(cfg, "video_token_id", None)
-        self._rope_index = self._find_rope_index() if self.mrope else None
+        # M-RoPE (Qwen-VL): the model computes 3-D positions with get_rope_index; other VLMs use 1-D positions.
+        self._rope_index = self._find_rope_index() if policy.is_vlm else None
+        self.mrope = self._rope_index is not None
+        # Image tokens that attend bidirectionally within their image in prefill (Gemma 3's token_type_ids).
+        self.image_blocks = getattr(cfg, "model_type", None) in BIDIRECTIONAL_IMAGE_FAMILIES
         self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
         check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
         register()
@@ -66,7 +84,7 @@ class ModelRunner:
             fn = getattr(obj, "get_rope_index", None)
             if fn is not None:
                 return fn
-        raise RuntimeError("vision-language model without get_rope_index: M-RoPE positions unavailable")
+        return None
 
     # ------------------------------------------------------------------ positions
     def mrope_positions(self, ids: list[int], grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -111,20 +129,30 @@ class ModelRunner:
     def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
         """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
         PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
-        a preempted sequence is recomputed). Returns (logits [V], rope_delta)."""
+        a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
+        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
         pixel_values = getattr(prompt, "pixel_values", None)
         image_grid_thw = getattr(prompt, "image_grid_thw", None)
+        extra = getattr(prompt, "extra", None)
         input_ids = torch.tensor([ids], device=self.device)
         delta = 0
         mm = {}
         if self.mrope:
             position_ids, delta = self.mrope_positions(ids, image_grid_thw)
-            if pixel_values is not None:
-                mm = {"pixel_values": pixel_values.to(self.device, self.policy.dtype),
-                      "image_grid_thw": image_grid_thw.to(self.device)}
         else:
             position_ids = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        ctx = ForwardContext.prefill(len(ids), self.device)
+        if pixel_values is not None:
+            mm = {"pixel_values": pixel_values.to(self.device, self.policy.dtype)}
+            if image_grid_thw is not None:
+                mm["image_grid_thw"] = image_grid_thw.to(self.device)
+            for k, v in (extra or {}).items():
+                if isinstance(v, torch.Tensor):
+                    v = v.to(self.device, self.policy.dtype) if v.is_floating_point() else v.to(self.device)
+                mm[k] = v
+        block = None
+        if self.image_blocks and self.image_token_id is not None:
+            block = image_block_ids(input_ids, self.image_token_id)
+        ctx = ForwardContext.prefill(len(ids), self.device, block)
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta

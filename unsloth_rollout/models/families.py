@@ -23,6 +23,12 @@ TEXT_FAMILIES = {
 VLM_FAMILIES = {
     "qwen2_vl": "Qwen2-VL (M-RoPE)",
     "qwen2_5_vl": "Qwen2.5-VL (M-RoPE, windowed vision attention)",
+    "gemma3": "Gemma 3 (image tokens attend bidirectionally within each image; sliding/full layers)",
+    "llava": "Llava (CLIP features replace the <image> tokens; 1-D positions)",
+    "qwen3_vl": "Qwen3-VL (interleaved M-RoPE, deepstack visual features)",
+    "mistral3": "Mistral 3 / Mistral Small 3.1 (Pixtral vision tower at native resolution, image_sizes; sliding "
+                "window)",
+    "idefics3": "Idefics3 (SigLIP crops + global view, pixel_attention_mask, pixel-shuffle connector)",
 }
 # Families Unsloth trains that the engine knowingly cannot serve yet, with the reason.
 REFUSED_FAMILIES = {

@@ -26,7 +26,8 @@ BACKENDS = ("auto", "unsloth", "transformers")
 
 # Unsloth's get_peft_model vocabulary: which projection names count as attention or MLP.
 _ATTN_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj", "out_proj", "qkv_proj"}
-_MLP_NAMES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
+_MLP_NAMES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "linear_fc1", "linear_fc2", "w1", "w2",
+              "w3"}
 _VISION_MARKERS = ("visual", "vision_tower", "vision_model", "image_encoder")
 _LORA_KEYS = {
     "r", "lora_alpha", "lora_dropout", "target_modules", "finetune_vision_layers", "finetune_language_layers",

@@ -24,6 +24,7 @@ from typing import Any
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 try:  # transformers >= 5.17 splits the PIL and torchvision image processors
@@ -39,6 +40,7 @@ __all__ = [
     "VLM_MODEL_TYPES",
     "Qwen2VLImageOnlyProcessor",
     "Qwen2_5_VLImageOnlyProcessor",
+    "Qwen3VLImageOnlyProcessor",
     "is_vlm_config",
     "load_processor",
 ]
@@ -109,10 +111,53 @@ class Qwen2_5_VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
     _standard_class = Qwen2_5_VLProcessor
 
 
+class Qwen3VLImageOnlyProcessor(_ImageOnlyMixin, Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without the video processor (no torchvision needed)."""
+
+    _standard_class = Qwen3VLProcessor
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+
+
 _IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
     "qwen2_vl": Qwen2VLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "qwen3_vl": Qwen3VLImageOnlyProcessor,
 }
+
+
+def ensure_pixtral_importable() -> None:
+    """Make ``PixtralProcessor`` (Pixtral, Mistral 3) importable without torchvision.
+
+    transformers 5.x's ``processing_pixtral`` imports one helper, ``get_resize_output_image_size``, from the
+    torchvision image-processor module whenever PIL is present; without torchvision that import fails and
+    the processor cannot be built at all, although it needs nothing from torchvision. The PIL module has the
+    same function; this registers a module holding just that function under the torchvision module's
+    name. A no-op where the real module imports."""
+    import importlib
+    import sys
+    import types
+
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    if name in sys.modules:
+        return
+    try:
+        importlib.import_module(name)
+        return
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("torchvision"):
+            raise
+    from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+    stand_in = types.ModuleType(name)
+    stand_in.get_resize_output_image_size = pil.get_resize_output_image_size
+    stand_in.__doc__ = "unsloth_rollout stand-in (torchvision is not installed): the PIL module's resize helper"
+    sys.modules[name] = stand_in
 
 
 def is_vlm_config(config: Any) -> bool:
@@ -146,6 +191,8 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
         config = AutoConfig.from_pretrained(path)
     if not is_vlm_config(config) and not _has_preprocessor_config(path):
         return None
+    if getattr(config, "model_type", None) in ("mistral3", "pixtral", "llava"):  # Llava folders of Pixtral too
+        ensure_pixtral_importable()
 
     try:
         processor = AutoProcessor.from_pretrained(path)
@@ -157,11 +204,54 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
         reason, cause = f"AutoProcessor returned a {type(processor).__name__} without an image processor", None
 
     model_type = getattr(config, "model_type", None)
+    if model_type in ("mistral3", "pixtral"):
+        # AutoProcessor's lazy PixtralProcessor is a placeholder demanding torchvision; the class itself,
+        # imported from its module (ensure_pixtral_importable), runs on the PIL image processor.
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+        logger.warning("load_processor(%s): %s; using PixtralProcessor with the PIL image processor", path, reason)
+        return PixtralProcessor.from_pretrained(path)
     fallback = _IMAGE_ONLY_PROCESSORS.get(model_type)
     if fallback is None:
+        processor = _with_pil_image_processor(path, model_type)
+        if processor is not None:
+            logger.warning("load_processor(%s): %s; using %s with the PIL image processor", path, reason,
+                           type(processor).__name__)
+            return processor
         raise ValueError(f"cannot load a processor for model_type={model_type!r} from {path}: {reason}") from cause
     logger.warning("load_processor(%s): %s; using %s", path, reason, fallback.__name__)
     return fallback.from_pretrained(path)
+
+
+def _with_pil_image_processor(path: str, model_type: str | None) -> ProcessorMixin | None:
+    """The family's own processor class around its PIL image processor, built from the folder's files.
+
+    Some PIL image processors (Idefics3's in transformers 5.17) are registered as needing torchvision, so
+    AutoProcessor refuses them although their module imports and runs without it."""
+    import importlib
+    import inspect
+
+    if not model_type or not os.path.isfile(os.path.join(path, "processor_config.json")):
+        return None
+    try:
+        proc_mod = importlib.import_module(f"transformers.models.{model_type}.processing_{model_type}")
+        pil_mod = importlib.import_module(f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+    except ImportError:
+        return None
+    with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    proc_cls = getattr(proc_mod, data.get("processor_class", ""), None)
+    pil_cls = next((c for n, c in vars(pil_mod).items() if n.endswith("ImageProcessorPil") and inspect.isclass(c)),
+                   None)
+    if proc_cls is None or pil_cls is None:
+        return None
+    kwargs = {k: v for k, v in data.items() if k != "processor_class" and not isinstance(v, dict)}
+    template = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            kwargs["chat_template"] = f.read()
+    return proc_cls(image_processor=pil_cls.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path),
+                    **kwargs)
 
 
 def _has_preprocessor_config(path: str) -> bool:

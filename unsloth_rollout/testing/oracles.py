@@ -17,8 +17,9 @@ __all__ = ["mm_token_type_ids", "teacher_forced"]
 def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **vision):
     """(logprobs [n_out], logits [n_out, V]) of ``output_ids`` after ``prompt_ids`` from one forward.
 
-    ``vision``: pixel_values, image_grid_thw, ... as the processor returns them; Qwen-VL's
-    ``mm_token_type_ids`` (M-RoPE image positions) is derived when the model takes it and it is not given.
+    ``vision``: pixel_values, image_grid_thw, image_sizes, token_type_ids ... as the processor returns them
+    for the prompt (per-token ones are extended over the output as text); Qwen-VL's ``mm_token_type_ids``
+    (M-RoPE image positions) is derived when not given.
 
     Example::
 
@@ -28,8 +29,13 @@ def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **v
     dev = policy.device
     ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=dev)
     kw = {k: v for k, v in vision.items() if v is not None}
+    n_out = len(output_ids)
+    for k in ("token_type_ids", "mm_token_type_ids"):  # per-token inputs of the prompt: the output is text (0)
+        if k in kw and kw[k].shape[-1] == len(prompt_ids):
+            kw[k] = torch.nn.functional.pad(kw[k], (0, n_out))
     if "pixel_values" in kw:
         kw["pixel_values"] = kw["pixel_values"].to(dev, policy.dtype)
+    if "image_grid_thw" in kw:  # Qwen-VL: M-RoPE image positions come from mm_token_type_ids
         kw.setdefault("mm_token_type_ids", mm_token_type_ids(ids, policy.config))
     kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     with policy.lock, torch.no_grad():
