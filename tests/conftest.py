@@ -64,3 +64,28 @@ def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pix
     if pixel_values is not None:
         vision.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     return teacher_forced(policy, prompt_ids, output_ids, temperature, **vision)
+
+
+@pytest.fixture
+def qwen2_lora_policy(qwen2_dir):
+    """The tiny Qwen2 with LoRA r=8 whose B matrices are random (so LoRA is not a no-op)."""
+    from unsloth_rollout import load_model
+
+    torch.manual_seed(0)  # LoRA A init draws from the global RNG
+    p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
+    perturb_lora(p.model, std=0.3)
+    return p
+
+
+def run_staggered(engine, early: list, late: list, timeout: float = 300):
+    """Submit ``early``, wait until the engine decodes, then submit ``late`` (arrivals mid-decode).
+    Returns (outputs per request in order, the engine's stats at the end)."""
+    import time
+
+    futs = [engine.submit(r) for r in early]
+    deadline = time.time() + 60
+    while engine.stats()["decode_tokens"] == 0 and time.time() < deadline:
+        time.sleep(0.001)
+    futs += [engine.submit(r) for r in late]
+    outs = [f.result(timeout=timeout) for f in futs]
+    return outs, engine.stats()

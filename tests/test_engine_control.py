@@ -10,9 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import perturb_lora
-from unsloth_rollout import (EngineConfig, GenerationRequest, RequestRejected, RolloutEngine, SamplingParams,
-                             load_model)
+from unsloth_rollout import EngineConfig, GenerationRequest, RequestRejected, RolloutEngine, SamplingParams
 
 PROMPTS = ["Alice counts", "Bob and Carol went to the market", "12 + 7 =", "the lazy dog sleeps while",
            "Grace reads a long book about", "think", "answer: 42", "Oscar paints the blue house"]
@@ -38,11 +36,8 @@ def wait_for(cond, timeout=60):
 
 
 @pytest.fixture
-def policy(qwen2_dir):
-    torch.manual_seed(0)  # LoRA A init draws from the global RNG
-    p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
-    perturb_lora(p.model, std=0.3)
-    return p
+def policy(qwen2_lora_policy):
+    return qwen2_lora_policy
 
 
 def test_pause_set_version_resume_loses_nothing(policy):

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import perturb_lora, teacher_forced_logprobs
+from conftest import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 
 SHARED = "Alice and Bob count the red apples in the"  # the prompt of the two sampled groups (prefix cache)
@@ -26,11 +26,8 @@ TOL = 1e-5
 
 
 @pytest.fixture
-def policy(qwen2_dir):
-    torch.manual_seed(0)  # LoRA A init draws from the global RNG
-    p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
-    perturb_lora(p.model, std=0.3)
-    return p
+def policy(qwen2_lora_policy):
+    return qwen2_lora_policy
 
 
 def wait_for(cond, timeout=60):

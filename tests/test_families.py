@@ -10,12 +10,11 @@ teacher-forced forward over prompt + output for every logprob.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from conftest import perturb_lora, teacher_forced_logprobs
+from conftest import perturb_lora, run_staggered, teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.engine.runner import _text_dims
@@ -61,13 +60,7 @@ def test_family_mixed_batch_exact(family):
     lengths = [len(r.input_ids) for r in greedy]
     assert min(lengths) < 8 < max(lengths) and len(set(lengths)) >= 10, lengths
 
-    futs = [engine.submit(r) for r in greedy[:6]]
-    deadline = time.time() + 60
-    while engine.stats()["decode_tokens"] == 0 and time.time() < deadline:
-        time.sleep(0.001)
-    futs += [engine.submit(r) for r in greedy[6:]] + [engine.submit(group)]
-    outs = [f.result(timeout=300) for f in futs]
-    stats = engine.stats()
+    outs, stats = run_staggered(engine, greedy[:6], greedy[6:] + [group])
     engine.shutdown()
     assert stats["num_preemptions"] > 0, "the KV budget was meant to force preemption"
     assert stats["prefix_cache_hits"] > 0, "the group's samples should share their prompt's prefill"

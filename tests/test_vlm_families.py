@@ -12,12 +12,11 @@ and a teacher-forced forward over prompt + output with the same pixel inputs for
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from conftest import perturb_lora, random_images, teacher_forced_logprobs
+from conftest import perturb_lora, random_images, run_staggered, teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.engine.runner import _text_dims
@@ -79,13 +78,7 @@ def test_vlm_family_mixed_batch_exact(family):
     blocks = max(max(need) + 2, 4 * sum(need) // len(need))
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=per_token * 8 * blocks, block_size=8), seed=0)
 
-    futs = [engine.submit(r) for r in greedy[:6]]
-    deadline = time.time() + 60
-    while engine.stats()["decode_tokens"] == 0 and time.time() < deadline:
-        time.sleep(0.001)
-    futs += [engine.submit(r) for r in greedy[6:]] + [engine.submit(group)]
-    outs = [f.result(timeout=300) for f in futs]
-    stats = engine.stats()
+    outs, stats = run_staggered(engine, greedy[:6], greedy[6:] + [group])
     suppress = engine.sampler.suppress_ids
     engine.shutdown()
     assert all(o.error is None for out in outs for o in out), [o.error for out in outs for o in out]

@@ -27,10 +27,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
-import tempfile
 
 _FORMAT_VERSION = "v2"
 _MARKER = "unsloth_rollout_vlm_family.json"
@@ -66,30 +63,16 @@ def vlm_family_path(family: str, seed: int = 0) -> pathlib.Path:
     """Path of the cached tiny VLM ``family`` model, building it first (atomically) if needed."""
     if family not in _TOKENS:
         raise ValueError(f"family must be one of {VLM_FAMILIES}, got {family!r}")
-    from ..models.tiny import _cache_root
+    from .tiny import _cache_root, cached_build
 
     path = _cache_root() / "vlm_families" / f"{family}-s{seed}-{_FORMAT_VERSION}"
-    if (path / _MARKER).is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        _write(tmp, family, seed)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / _MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_build(path, _MARKER, lambda tmp: _write(tmp, family, seed))
 
 
 def _tokenizer(family: str):
     from transformers import AddedToken
 
-    from ..models.tiny import _build_tokenizer
+    from .tiny import _build_tokenizer
 
     tok = _build_tokenizer(746)
     placeholder, named = _TOKENS[family]
@@ -215,7 +198,7 @@ def _write(path: pathlib.Path, family: str, seed: int) -> None:
     import transformers
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from ..models.tiny import _quiet_progress_bars, _round_up
+    from .tiny import _quiet_progress_bars, _round_up
 
     tok = _tokenizer(family)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
