@@ -204,6 +204,8 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, spec: RealCheckpoint) -> int
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     tokenizer.add_special_tokens(dict(spec.special_tokens))
+    # A byte-level BPE tokenizer: the WordPiece clean-up would strip spaces before punctuation (and warns).
+    tokenizer.clean_up_tokenization_spaces = False
     # The loaded model is marked GGUF-quantized and cannot be saved; its tensors are already the fp32
     # dequantized values. Move them into a plain model of the same config.
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
