@@ -112,7 +112,10 @@ class CacheView:
         self.gather_index = gather_index
         self._seq_length = seq_length
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None,
+               **kwargs):
+        # transformers >= 5.24 calls update(k, v, layer_idx, kwargs=<the attention's kwargs>); nothing in them
+        # changes what is written or read here.
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         b, h, q, d = key_states.shape
         kc.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * q, h, d).to(kc.dtype))
