@@ -6,7 +6,8 @@ cannot be downloaded (no network); a checksum mismatch or a conversion failure f
 
 Oracles: HF ``generate()`` one prompt at a time for the greedy tokens (16 chat prompts of mixed lengths
 served in ONE ``engine.generate`` call, so short rows decode beside long ones), a teacher-forced fp32
-forward for the logprobs, and the model's own knowledge for the factual answer.
+forward for the logprobs (within 1e-5, or 1.5x HF generate's own distance from it when that is larger: on this
+30-layer model HF's cached decode is itself up to ~1.2e-5 away), and the model's knowledge for the factual answer.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_real_checkpoint_mixed_length_batch_matches_hf(smollm2):
     assert stats["prefills"] == len(reqs)
 
     mismatches = []
-    worst = 0.0
+    worst = hf_worst = 0.0
     for i, (m, out) in enumerate(zip(messages, outs)):
         # The prompt is the tokenizer's own chat-template encoding.
         want_prompt = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -95,8 +96,9 @@ def test_real_checkpoint_mixed_length_batch_matches_hf(smollm2):
         # Oracle 1: HF generate() on this prompt alone.
         ids = torch.tensor([out.prompt_ids])
         with torch.no_grad():
-            ref = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                        do_sample=False)[0, ids.shape[1]:].tolist()
+            gen = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ref = gen.sequences[0, ids.shape[1]:].tolist()
         if out.output_ids != ref:
             first = next((k for k, (a, b) in enumerate(zip(out.output_ids, ref)) if a != b),
                          min(len(out.output_ids), len(ref)))
@@ -109,8 +111,13 @@ def test_real_checkpoint_mixed_length_batch_matches_hf(smollm2):
         got_lp = torch.tensor(out.output_logprobs)
         assert got_lp.shape == want_lp.shape
         worst = max(worst, (got_lp - want_lp).abs().max().item())
+        # HF's own cached decode differs from the teacher-forced forward too (fp32 sums in another order, over
+        # 30 layers): measured up to 1.2e-5 here, the same for the engine running a prompt alone (bit-identical to
+        # HF). The bar is 1e-5 or 1.5x HF's own distance, whichever is larger.
+        hf_lp = torch.stack([torch.log_softmax(lg[0].float(), -1)[t] for lg, t in zip(gen.logits, ref)])
+        hf_worst = max(hf_worst, (hf_lp - want_lp).abs().max().item())
     assert not mismatches, f"{len(mismatches)} of {len(reqs)} differ from HF generate():\n" + "\n".join(mismatches)
-    assert worst <= 1e-5, f"max logprob difference {worst}"
+    assert worst <= max(1e-5, 1.5 * hf_worst), f"max logprob difference {worst} (HF generate's own: {hf_worst})"
 
     # Oracle 3: the model knows the answer (a real checkpoint, not random weights).
     paris = outs[QUESTIONS.index("What is the capital of France?")]
