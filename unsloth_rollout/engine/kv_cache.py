@@ -114,6 +114,8 @@ class CacheView:
         self._seq_length = seq_length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # transformers >= 5.24 calls update(k, v, layer_idx, kwargs=<the attention's kwargs>); nothing in them
+        # changes what is written or read here.
         keys, values = self._update(key_states, value_states, layer_idx)
         if self.ctx is not None:
             self.ctx.record_write(layer_idx, keys)

@@ -71,6 +71,9 @@ class ModelRunner:
         self._text_config = policy.text_config
         self._inner = inner_implementation(getattr(self._text_config, "_attn_implementation", None))
         self.num_layers = _text_dims(self._text_config)[0]
+        # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated there).
+        params = inspect.signature(policy.base_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.compile_decode = compile_decode
         self._compiled = None
         if compile_decode:
@@ -111,8 +114,7 @@ class ModelRunner:
         set_current(ctx)
         try:
             out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                    past_key_values=view, use_cache=True, logits_to_keep=1, **{CTX_KWARG: ctx},
-                                    **mm)
+                                    use_cache=True, logits_to_keep=1, **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
         finally:
             cfg._attn_implementation_internal = saved
             set_current(None)
