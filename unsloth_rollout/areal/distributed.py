@@ -121,9 +121,9 @@ class DataParallel:
     @classmethod
     def init(cls, world_size: int, timeout_s: float | None = None) -> "DataParallel":
         """Join (or start) the default process group of ``world_size`` ranks from torchrun's environment."""
-        from areal.utils.environ import is_single_controller
-
-        if is_single_controller():
+        # AReaL's is_single_controller() is `not AREAL_SPMD_MODE` (areal.utils.environ); read here without
+        # importing areal, so a replica can join its group before the heavy imports.
+        if os.environ.get("AREAL_SPMD_MODE", "false").lower() not in ("true", "1"):
             raise UnsupportedParallelismError(
                 f"unsloth:d{world_size}: data-parallel replicas run in AReaL's SPMD mode; launch with "
                 f"AREAL_SPMD_MODE=1 torchrun --nproc-per-node {world_size} ... (python -m "
