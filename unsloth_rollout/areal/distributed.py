@@ -64,13 +64,13 @@ def _extra_dims(parallel) -> dict[str, int]:
 
 
 def check_shapes(rollout_backend: str, rollout_parallel, actor_backend: str, actor_parallel,
-                 world_size: int | None = None) -> int:
+                 world_size: int | None = None, fields: tuple[str, str] = ("rollout.backend", "actor.backend")) -> int:
     """Validate ``rollout.backend`` / ``actor.backend`` against the launch; returns N (the replica count).
 
     Raises ``UnsupportedParallelismError`` naming the field, what was asked and what is supported.
     """
-    for field_name, spec, par in (("rollout.backend", rollout_backend, rollout_parallel),
-                                  ("actor.backend", actor_backend, actor_parallel)):
+    for field_name, spec, par in ((fields[0], rollout_backend, rollout_parallel),
+                                  (fields[1], actor_backend, actor_parallel)):
         extra = _extra_dims(par)
         if extra:
             dims = ", ".join(f"{k}{v}" for k, v in extra.items())
@@ -80,13 +80,13 @@ def check_shapes(rollout_backend: str, rollout_parallel, actor_backend: str, act
     n, n_actor = int(rollout_parallel.data_parallel_size), int(actor_parallel.data_parallel_size)
     if n != n_actor:
         raise UnsupportedParallelismError(
-            f"actor.backend: {actor_backend!r} has {n_actor} data-parallel replicas but rollout.backend "
+            f"{fields[1]}: {actor_backend!r} has {n_actor} data-parallel replicas but {fields[0]} "
             f"{rollout_backend!r} has {n}; every replica hosts one actor and one rollout engine, so they must "
             f"match. Supported: {SUPPORTED_SHAPES}")
     world = launch_world_size() if world_size is None else int(world_size)
     if n != world:
         raise UnsupportedParallelismError(
-            f"rollout.backend: {rollout_backend!r} asks for {n} data-parallel replica(s) but this job runs "
+            f"{fields[0]}: {rollout_backend!r} asks for {n} data-parallel replica(s) but this job runs "
             f"{world} process(es) (WORLD_SIZE={world}); launch exactly N processes for 'unsloth:dN' "
             f"(e.g. torchrun --nproc-per-node {n}) or set the backends to 'unsloth:d{world}'. "
             f"Supported: {SUPPORTED_SHAPES}")

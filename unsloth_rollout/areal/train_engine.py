@@ -126,9 +126,10 @@ class ColocatedTrainEngine(TrainEngine):
         dp = getattr(parallel_strategy, "data_parallel_size", 1) if parallel_strategy is not None else 1
         from .distributed import DataParallel, check_shapes
 
-        extra = parallel_strategy if parallel_strategy is not None else None
-        if extra is not None:
-            check_shapes(f"unsloth:d{dp}", extra, f"unsloth:d{dp}", extra)
+        if parallel_strategy is not None:
+            spec = getattr(self.config, "backend", None)
+            spec = spec if isinstance(spec, str) and ":" in spec else f"unsloth:d{dp}"
+            check_shapes(spec, parallel_strategy, spec, parallel_strategy, fields=("backend", "backend"))
         if dp != 1:
             if self._dp is None:  # backend.create_train_engine joins the group before loading the model
                 self._dp = DataParallel.init(dp)
