@@ -1,7 +1,9 @@
 """Test driver for tests/test_areal_distributed.py: ``unsloth_rollout.areal.grpo.main`` as the README launches
 it (plain python for d1, ``torchrun --nproc-per-node N`` for dN), plus what the tests read back, written under
-``$UR_DIST_OUT``: ``pid_rank<r>`` at start, ``step<v>_rank<r>`` after each weight update,
-``lora_rank<r>.pt`` (the trainable parameters) and ``history_rank<r>.json`` at the end."""
+``$UR_DIST_OUT``: ``pid_rank<r>`` at start, ``step<v>_rank<r>`` after each weight update (and
+``lora_step1_rank<r>.pt``, the trainable parameters after the first step), ``stats_step<v>_rank<r>.json``
+(the statistics PPOTrainer commits), ``lora_rank<r>.pt`` and
+``history_rank<r>.json`` at the end."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ OUT = pathlib.Path(os.environ["UR_DIST_OUT"])
 RANK = int(os.environ.get("RANK", "0") or 0)
 
 
+def _lora(engine) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in engine.policy.model.named_parameters() if p.requires_grad}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"pid_rank{RANK}").write_text(str(os.getpid()))
@@ -29,15 +35,25 @@ def main() -> None:
 
     def update_weights(self, meta):
         update(self, meta)
+        if meta.version == 1:
+            torch.save(_lora(self), OUT / f"lora_step1_rank{RANK}.pt")
         (OUT / f"step{meta.version}_rank{RANK}").write_text("ok")
 
     close = PPOTrainer.close
 
     def close_and_dump(self):
-        lora = {n: p.detach().cpu().clone() for n, p in self.actor.policy.model.named_parameters() if p.requires_grad}
-        torch.save(lora, OUT / f"lora_rank{RANK}.pt")
+        torch.save(_lora(self.actor), OUT / f"lora_rank{RANK}.pt")
         close(self)
 
+    from areal.utils.stats_logger import StatsLogger
+
+    commit = StatsLogger.commit
+
+    def commit_and_dump(self, epoch, step, global_step, data):
+        (OUT / f"stats_step{global_step + 1}_rank{RANK}.json").write_text(json.dumps(data))
+        return commit(self, epoch, step, global_step, data)
+
+    StatsLogger.commit = commit_and_dump
     ColocatedTrainEngine.update_weights = update_weights
     PPOTrainer.close = close_and_dump
     history = grpo_main(sys.argv[1:])
