@@ -2,11 +2,13 @@
 it (plain python for d1, ``torchrun --nproc-per-node N`` for dN), plus what the tests read back, written under
 ``$UR_DIST_OUT``: ``pid_rank<r>`` at start, ``step<v>_rank<r>`` after each weight update (and
 ``lora_step1_rank<r>.pt``, the trainable parameters after the first step), ``stats_step<v>_rank<r>.json``
-(the statistics PPOTrainer commits), ``lora_rank<r>.pt`` and
+(the statistics PPOTrainer commits), ``groups_step<v>_rank<r>.json`` (the prompt of each trajectory the rank
+trains on), ``lora_rank<r>.pt`` and
 ``history_rank<r>.json`` at the end."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -54,6 +56,22 @@ def main() -> None:
         return commit(self, epoch, step, global_step, data)
 
     StatsLogger.commit = commit_and_dump
+    from unsloth_rollout.areal.train_engine import UnslothPPOActor
+
+    advantages = UnslothPPOActor.compute_advantages
+
+    def compute_advantages(self, data, *args, **kwargs):
+        # Which prompts this rank trains on, and how its trajectories group the samples.
+        groups = []
+        for traj in data:
+            prompt = traj["attention_mask"].bool() & (traj["loss_mask"] == 0)
+            ids = {hashlib.sha1(str(row[m].tolist()).encode()).hexdigest()[:16]
+                   for row, m in zip(traj["input_ids"], prompt)}
+            groups.append({"rows": int(traj["input_ids"].shape[0]), "prompts": sorted(ids)})
+        (OUT / f"groups_step{self.get_version() + 1}_rank{RANK}.json").write_text(json.dumps(groups))
+        return advantages(self, data, *args, **kwargs)
+
+    UnslothPPOActor.compute_advantages = compute_advantages
     ColocatedTrainEngine.update_weights = update_weights
     PPOTrainer.close = close_and_dump
     history = grpo_main(sys.argv[1:])

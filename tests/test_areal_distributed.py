@@ -111,6 +111,14 @@ def test_two_replicas_match_one_process_then_a_killed_replica_fails_the_job_fast
         diff = max((r0[k] - ref[k]).abs().max().item() for k in ref)
         print(f"one step: largest LoRA-B change {moved:.3e}, largest |2 replicas - 1 process| {diff:.3e}")
         assert moved > 1e-3, "the step barely changed the LoRA weights: the 1e-6 comparison would be vacuous"
+        # AReaL's sampler split the same global batch: 2 + 2 of the one process's 4 prompts, each prompt's
+        # n_samples group whole on one rank (so group-level normalisation never needs the other rank).
+        g1, g2 = (json.loads((one / "groups_step1_rank0.json").read_text()),
+                  [json.loads((two / f"groups_step1_rank{r}.json").read_text()) for r in (0, 1)])
+        for groups in (g1, *g2):
+            assert all(g["rows"] == 2 and len(g["prompts"]) == 1 for g in groups), groups
+        p0, p1 = ({g["prompts"][0] for g in groups} for groups in g2)
+        assert len(p0) == len(p1) == 2 and not p0 & p1 and p0 | p1 == {g["prompts"][0] for g in g1}
         # --- kill one replica mid-run
         os.kill(int((two / "pid_rank1").read_text()), signal.SIGKILL)
         t0 = time.time()
