@@ -286,3 +286,33 @@ def test_install_lets_areal_launchers_size_an_unsloth_dN_job():
     ua.install()
     mode = _AllocationMode.from_str("unsloth:d8")  # allocation_mode: ${rollout.backend} in the configs
     assert mode.train.world_size == 8 and mode.gen_backend is None  # 8 trainer processes, no LLM servers
+
+
+def test_areal_local_launcher_starts_n_replicas_under_torchrun(tmp_path, monkeypatch):
+    """``python -m unsloth_rollout.areal.launch local``: AReaL's own LocalLauncher, unmodified, sizes the job from
+    ``allocation_mode: ${rollout.backend}`` and starts one torchrun of N processes in SPMD mode, no LLM server.
+    The launcher assigns GPUs, so on this CPU machine a GPU platform is pretended and the job is recorded, not run."""
+    from areal.infra.launcher import local
+    from areal.infra.platforms import current_platform
+
+    from unsloth_rollout.areal import launch
+
+    submitted = []
+    monkeypatch.setattr(type(current_platform), "device_control_env_var", "CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(local.LocalLauncher, "submit_array",
+                        lambda self, job_name, cmd, count=1, gpu=0, env_vars=None: submitted.append(
+                            (job_name, cmd, count, gpu, dict(env_vars or {}))))
+    monkeypatch.setattr(local.LocalLauncher, "wait", lambda self, *a, **k: None)
+    monkeypatch.setattr(local.LocalLauncher, "__del__", lambda self: None)
+    monkeypatch.setattr(local.name_resolve, "reconfigure", lambda *a, **k: None)  # keep the global repository
+    monkeypatch.setattr(local.name_resolve, "clear_subtree", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # launch.main hands its argv to AReaL's launcher
+    for d in ("exp", "nr"):
+        (tmp_path / d).mkdir()
+    launch.main(["local", launch.GRPO_SCRIPT, *_args(tmp_path, "rollout.backend=unsloth:d8")])
+    assert len(submitted) == 1, submitted  # the trainer job only: the unsloth backend needs no LLM server
+    job, cmd, count, gpu, env = submitted[0]
+    assert job == "trainer" and gpu == 8 and env["AREAL_SPMD_MODE"] == "1"
+    assert re.search(r"torchrun --nnodes 1 --nproc-per-node 8 .* \S*unsloth_rollout/areal/grpo\.py --config ", cmd), cmd
+    assert "rollout.backend=unsloth:d8" in cmd
