@@ -108,6 +108,8 @@ _PATCHED_RUN = textwrap.dedent("""
     from areal.api.alloc_mode import ModelAllocation, ALLOCATION_GRAMMAR
     from areal.trainer.rl_trainer import PPOTrainer, UNSLOTH_BACKEND_PATCHED
     assert ModelAllocation.from_str("unsloth:d1", name="rollout").backend == "unsloth"  # no install()
+    from areal.api.alloc_mode import _AllocationMode
+    assert _AllocationMode.from_str("unsloth:d2").train.world_size == 2  # the SPMD launchers start 2 replicas
     sys.path.insert(0, sys.argv[3])
     from test_areal_trainer import _config, _datasets_and_workflow
     from unsloth_rollout.areal import UnslothInferenceEngine, UnslothPPOActor

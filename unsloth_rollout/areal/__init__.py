@@ -5,7 +5,8 @@
   (LoRA-only optimizer, VLM inputs); ``update_weights`` is a version bump, no bytes move.
 - ``install()``: makes AReaL accept ``rollout.backend: "unsloth:d1"`` and makes ``PPOTrainer``
   build both engines on one shared model (``patches/areal-1.0.4-unsloth-backend.patch`` is the same
-  change as a source patch).
+  change as a source patch); ``"unsloth:dN"`` runs N such processes as data-parallel replicas under
+  torchrun / AReaL's SPMD launchers (``distributed.py``, ``launch.py``).
 
 Example::
 

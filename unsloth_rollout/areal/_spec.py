@@ -4,6 +4,8 @@ Example::
 
     >>> parse_unsloth_backend("unsloth:d1")
     UnslothBackendSpec(name=None, dp=1, tp=1, pp=1)
+    >>> parse_unsloth_backend("unsloth:d2").dp   # two data-parallel replicas (see distributed.py)
+    2
 """
 
 from __future__ import annotations
@@ -40,5 +42,8 @@ def parse_unsloth_backend(spec: str) -> UnslothBackendSpec:
     dims = {k: int(v) for k, v in _DIM.findall(m.group("dims"))}
     out = UnslothBackendSpec(m.group("name"), dims.get("d", 1), dims.get("t", 1), dims.get("p", 1))
     if out.tp != 1 or out.pp != 1:
-        raise ValueError(f"backend: the unsloth backend runs one model per process (t1, p1); got {spec!r}")
+        from .distributed import SUPPORTED_SHAPES, UnsupportedParallelismError
+
+        raise UnsupportedParallelismError(f"backend: {spec!r} asks for tensor/pipeline parallelism inside a "
+                                          f"replica; the unsloth backend runs {SUPPORTED_SHAPES}")
     return out

@@ -1,9 +1,10 @@
 """Where AReaL calls in: the ``unsloth`` backend for ``PPOTrainer``, without editing AReaL's files.
 
-``install()`` does two things, both idempotent:
+``install()`` does three things, all idempotent:
 
 1. adds ``"unsloth"`` to the inference backends of AReaL's allocation grammar, so
-   ``rollout.backend: "unsloth:d1"`` (and ``actor.backend: "unsloth:d1"``) parse;
+   ``rollout.backend: "unsloth:dN"`` (and ``actor.backend: "unsloth:dN"``) parse, and lets AReaL's SPMD
+   launchers size an ``allocation_mode: "unsloth:dN"`` job as N trainer processes;
 2. wraps five ``PPOTrainer`` methods so that, when ``rollout.backend`` is unsloth, the trainer builds
    an ``UnslothPPOActor`` (the ColocatedTrainEngine) and ``UnslothInferenceEngine``s on one shared
    PolicyModel in this process: no scheduler, no RPC workers, no server, LoRA allowed, no offload.
@@ -47,19 +48,33 @@ def uses_unsloth(trainer) -> bool:
 
 
 def create_train_engine(trainer, actor_config, alloc):
-    """The actor (or KL reference) for an unsloth PPOTrainer: an UnslothPPOActor on the shared model."""
+    """The actor (or KL reference) for an unsloth PPOTrainer: an UnslothPPOActor on the shared model.
+
+    With ``unsloth:dN`` (N > 1) this process is one of N replicas: the process group is joined here and
+    the model is loaded on this rank's device (``cuda:LOCAL_RANK`` or the CPU); see ``distributed.py``.
+    """
     from .train_engine import UnslothPPOActor
 
     if alloc.backend not in _TRAIN_BACKENDS:
         raise ValueError(f"actor.backend: with rollout.backend 'unsloth:...' the actor trains the rollout's own "
-                         f"model in this process; use 'unsloth:d1' (or 'fsdp:d1'), got {alloc.backend!r}")
+                         f"model in this process; use 'unsloth:dN' (or 'fsdp:dN'), got {alloc.backend!r}")
     ucfg = _unsloth_config(trainer)
+    load_options = ucfg.load_options()
+    dp = int(alloc.parallel.data_parallel_size)
+    if dp > 1:
+        from .distributed import DataParallel
+
+        replica = DataParallel.init(dp, timeout_s=getattr(ucfg, "dist_timeout_s", None))
+        if replica.device.type == "cuda":
+            load_options["device"] = str(replica.device)
     is_ref = actor_config is trainer.config.ref and getattr(trainer, "actor", None) is not None
     if is_ref:
-        engine = UnslothPPOActor(actor_config, reference=True, load_options=ucfg.load_options(),
+        engine = UnslothPPOActor(actor_config, reference=True, load_options=load_options,
                                  share_with=trainer.actor)
     else:
-        engine = UnslothPPOActor(actor_config, load_options=ucfg.load_options())
+        engine = UnslothPPOActor(actor_config, load_options=load_options)
+    if dp > 1:
+        engine._dp = replica
     engine.create_process_group(parallel_strategy=alloc.parallel)
     return engine
 
@@ -78,23 +93,31 @@ def create_rollout(trainer, rollout_config, is_eval: bool = False):
     ucfg = _unsloth_config(trainer)
     opts = {} if shared is not None else ucfg.engine_options()
     seed = ucfg.seed if ucfg.seed is not None else getattr(trainer.config, "seed", None)
+    rank = trainer.actor.data_parallel_rank
+    if seed is not None and rank:
+        seed = int(seed) + rank  # replicas sample independent streams (rank 0 keeps the 1-process seed)
     engine = UnslothInferenceEngine(config, trainer.actor.policy, rollout_engine=shared, seed=seed, **opts)
     engine.initialize(train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
     return engine
 
 
 def validate_config(trainer) -> None:
-    """Checks specific to the unsloth backend (AReaL's own _validate_cfg runs too)."""
+    """Checks specific to the unsloth backend (AReaL's own _validate_cfg runs too); before any model loads.
+
+    Accepts ``rollout.backend: "unsloth:dN"`` with ``actor.backend: "unsloth:dN"`` (or ``"fsdp:dN"``) on a
+    launch of N processes; refuses model parallelism inside a replica, mismatched N, or an N that is not
+    the number of processes, with ``UnsupportedParallelismError`` naming what is supported.
+    """
+    from .distributed import check_shapes
+
     if trainer.config.critic is not None:
         raise ValueError("critic: the unsloth backend trains actor-only algorithms (GRPO, DAPO, ...); "
                          "set critic to null")
     if trainer.actor_alloc.backend not in _TRAIN_BACKENDS:
-        raise ValueError(f"actor.backend: use 'unsloth:d1' with rollout.backend 'unsloth:...', "
+        raise ValueError(f"actor.backend: use 'unsloth:dN' with rollout.backend 'unsloth:...', "
                          f"got {trainer.config.actor.backend!r}")
-    for role, alloc in (("actor", trainer.actor_alloc), ("rollout", trainer.rollout_alloc)):
-        if alloc.parallel.dp_size != 1 or alloc.parallel.tp_size != 1 or alloc.parallel.pp_size != 1:
-            raise ValueError(f"{role}.backend: the unsloth backend runs one model on one device per process "
-                             f"(d1); got {getattr(trainer.config, role).backend!r}")
+    check_shapes(trainer.config.rollout.backend, trainer.rollout_alloc.parallel, trainer.config.actor.backend,
+                 trainer.actor_alloc.parallel)
 
 
 # ============================================================================ install
@@ -108,6 +131,23 @@ def _patch_grammar() -> None:
                            "this areal version is not supported")
     # A new Lark parser is built from this module global on every parse, so replacing it is enough.
     alloc_mode.ALLOCATION_GRAMMAR = alloc_mode.ALLOCATION_GRAMMAR.replace(_GRAMMAR_OLD, _GRAMMAR_NEW)
+
+
+def _patch_launcher_allocation() -> None:
+    """AReaL's SPMD launchers size the trainer job from ``allocation_mode`` via ``_AllocationMode``, whose
+    training allocations are fsdp/megatron/archon only; count ``unsloth:dN`` as N trainer processes."""
+    from areal.api.alloc_mode import _AllocationMode
+
+    original = _AllocationMode._get_training_allocations
+    if getattr(original, "_unsloth_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def _get_training_allocations(self):
+        return [a for a in self.allocations if a.backend in ("fsdp", "megatron", "archon", BACKEND_NAME)]
+
+    _get_training_allocations._unsloth_wrapped = True
+    _AllocationMode._get_training_allocations = _get_training_allocations
 
 
 def _wrap(cls, name: str, make):
@@ -167,9 +207,10 @@ def _patched_source() -> bool:
 
 
 def install() -> None:
-    """Make AReaL accept ``backend: "unsloth:d1"`` and PPOTrainer build the colocated engines (idempotent)."""
+    """Make AReaL accept ``backend: "unsloth:dN"`` and PPOTrainer build the colocated engines (idempotent)."""
     with _lock:
         _patch_grammar()
+        _patch_launcher_allocation()
         if not _patched_source():
             _patch_trainer()
 

@@ -39,6 +39,9 @@ class UnslothConfig:
     lora_dropout: float = 0.0
     random_state: int | None = field(default=None, metadata={"help": "seed for the LoRA initialisation"})
     seed: int | None = field(default=None, metadata={"help": "rollout sampler seed (None: the experiment seed)"})
+    dist_timeout_s: float = field(default=7200.0, metadata={
+        "help": "unsloth:dN: process-group timeout (a replica that hangs this long fails the job; a dead one "
+                "fails it at once)"})
     engine: EngineConfig = field(default_factory=EngineConfig,
                                  metadata={"help": "RolloutEngine settings (EngineConfig, as in the Python API)"})
 

@@ -1,13 +1,17 @@
-"""Single-device colocated GRPO with AReaL's PPOTrainer on the ``unsloth`` backend.
+"""Colocated GRPO with AReaL's PPOTrainer on the ``unsloth`` backend.
 
-One process, one model: the rollout engine samples from the PolicyModel the optimizer trains (LoRA,
-vision tower included), and a weight update is a version bump.
+One model per process: the rollout engine samples from the PolicyModel the optimizer trains (LoRA,
+vision tower included), and a weight update is a version bump. ``unsloth:dN`` runs N such processes
+as data-parallel replicas (see ``distributed.py``).
 
 CLI (AReaL's config system: YAML plus ``key=value`` overrides)::
 
     python -m unsloth_rollout.areal.grpo --config unsloth_rollout/areal/configs/qwen2_5_vl_3b_geometry3k_grpo.yaml
     python -m unsloth_rollout.areal.grpo --config unsloth_rollout/areal/configs/tiny_cpu_grpo.yaml \\
         actor.path=/path/to/tiny-model total_train_steps=20
+    # N replicas (one per GPU, or N CPU processes): torchrun in AReaL's SPMD mode (set here when WORLD_SIZE > 1)
+    torchrun --nproc-per-node 2 -m unsloth_rollout.areal.grpo --config ... rollout.backend=unsloth:d2 \\
+        actor.backend=unsloth:d2
 
 ``train_dataset.path: toy`` builds an offline toy dataset (random images for VLMs); any other path
 is loaded as geometry3k-style data (``problem`` with ``<image>``, ``images``, ``answer``). A model path
@@ -16,14 +20,22 @@ is loaded as geometry3k-style data (``problem`` with ``<image>``, ``images``, ``
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # started as a file (AReaL's launchers run <script>.py)
+    import os as _os
+    import sys as _sys
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))  # its siblings must not shadow top-level modules
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here]
+
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from areal.api.cli_args import load_expr_config
 
-from .config import UnslothPPOConfig
-from .data import geometry3k_rl_dataset, toy_dataset
+from unsloth_rollout.areal.config import UnslothPPOConfig
+from unsloth_rollout.areal.data import geometry3k_rl_dataset, toy_dataset
 
 VISION_WORKFLOW = "areal.workflow.vision_rlvr.VisionRLVRWorkflow"
 TEXT_WORKFLOW = "areal.workflow.rlvr.RLVRWorkflow"
@@ -43,7 +55,7 @@ class UnslothGRPOConfig(UnslothPPOConfig):
 def resolve_model_path(path: str) -> str:
     """``tiny:<arch>[:<size>]`` -> the cached offline tiny model folder (see ``unsloth_rollout.testing.tiny``)."""
     if isinstance(path, str) and path.startswith("tiny:"):
-        from ..testing.tiny import tiny_model_path
+        from unsloth_rollout.testing.tiny import tiny_model_path
 
         arch, _, size = path[len("tiny:"):].partition(":")
         return str(tiny_model_path(arch, size or "tiny"))
@@ -61,7 +73,7 @@ def _resolve_paths(config) -> None:
 def _tokenizer_and_processor(path: str):
     from transformers import AutoTokenizer
 
-    from ..models.processor import load_processor
+    from unsloth_rollout.models.processor import load_processor
 
     processor = load_processor(path)
     tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(path)
@@ -83,8 +95,12 @@ def build_dataset(dataset_config, split: str, tokenizer, processor) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    """Train; returns the per-step statistics PPOTrainer logged (rewards, losses, timings)."""
-    from . import install
+    """Train; returns the per-step statistics PPOTrainer logged (rewards, losses, timings; with dN
+    averaged over the replicas, the same on every rank)."""
+    from unsloth_rollout.areal import install
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        os.environ.setdefault("AREAL_SPMD_MODE", "1")  # N replicas = AReaL's SPMD mode (as its launchers set)
 
     config, _ = load_expr_config(list(sys.argv[1:] if argv is None else argv), UnslothGRPOConfig)
     install()

@@ -113,17 +113,27 @@ class ColocatedTrainEngine(TrainEngine):
         self._initialized = False
         self._parallel_strategy = None
         self._own_process_group = False
+        self._dp = None  # distributed.DataParallel with unsloth:dN, N > 1
         self.tokenizer = policy.tokenizer if policy is not None else None
         self.processor = policy.processor if policy is not None else None
 
     # ================================================================== setup
     def create_process_group(self, parallel_strategy=None):
-        """Single process, single device. Under AReaL's SPMD launcher a 1-process gloo group is created
-        so the trainer's barriers work."""
+        """One model per process. ``unsloth:dN`` (N > 1): join the N-rank group as one data-parallel replica
+        (``distributed.DataParallel``). d1 under AReaL's SPMD launcher: a 1-process gloo group, so the
+        trainer's barriers work."""
         self._parallel_strategy = parallel_strategy
         dp = getattr(parallel_strategy, "data_parallel_size", 1) if parallel_strategy is not None else 1
+        from .distributed import DataParallel, check_shapes
+
+        if parallel_strategy is not None:
+            spec = getattr(self.config, "backend", None)
+            spec = spec if isinstance(spec, str) and ":" in spec else f"unsloth:d{dp}"
+            check_shapes(spec, parallel_strategy, spec, parallel_strategy, fields=("backend", "backend"))
         if dp != 1:
-            raise ValueError(f"backend: the unsloth backend trains on one device per process (d1), got dp={dp}")
+            if self._dp is None:  # backend.create_train_engine joins the group before loading the model
+                self._dp = DataParallel.init(dp)
+            return
         from areal.utils.environ import is_single_controller
 
         if not is_single_controller() and not dist.is_initialized():
@@ -169,6 +179,8 @@ class ColocatedTrainEngine(TrainEngine):
         self.processor = self.policy.processor
         if not self.reference:
             self._create_optimizer(ft_spec)
+            if self._dp is not None:  # replicas start from rank 0's trainable weights, as DDP does
+                self._dp.broadcast_params(self._trainable())
         self._initialized = True
 
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -209,26 +221,29 @@ class ColocatedTrainEngine(TrainEngine):
         if self._own_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._own_process_group = False
+        if self._dp is not None and not self.reference:
+            self._dp.destroy()
 
     @property
     def initialized(self) -> bool:
         return self._initialized
 
-    # Single process: the data-parallel world is this process.
+    # d1: the data-parallel world is this process. dN: every replica is its own data-parallel head
+    # (it runs its own rollouts on its own shard), and the world group is the data-parallel group.
     @property
     def data_parallel_group(self):
-        return None
+        return self._dp.group if self._dp is not None else None
 
     @property
     def data_parallel_rank(self) -> int:
-        return 0
+        return self._dp.rank if self._dp is not None else 0
 
     @property
     def data_parallel_world_size(self) -> int:
-        return 1
+        return self._dp.world_size if self._dp is not None else 1
 
     def current_data_parallel_head(self) -> int:
-        return 0
+        return self._dp.rank if self._dp is not None else 0
 
     def is_data_parallel_head(self) -> bool:
         return True
@@ -239,7 +254,7 @@ class ColocatedTrainEngine(TrainEngine):
 
     @property
     def cpu_group(self):
-        return None
+        return self._dp.cpu_group if self._dp is not None else None
 
     # ================================================================== modes
     def train(self, mode: bool = True):
@@ -381,7 +396,10 @@ class ColocatedTrainEngine(TrainEngine):
         batch = self._to_device(batch)
         chunks = _row_chunks(batch, self._num_chunks(batch))
         weights = [float(loss_weight_fn(mb)) for mb in chunks]
-        total = sum(weights) or 1.0
+        total = sum(weights)
+        if self._dp is not None:  # normalise by the tokens of the whole (global) batch, as FSDPEngine does
+            total = self._dp.all_reduce_sum(total)
+        total = total or 1.0
         loss_sum = torch.zeros((), device=self.policy.device)
         for mb, w in zip(chunks, weights):
             if w == 0:
@@ -404,6 +422,9 @@ class ColocatedTrainEngine(TrainEngine):
                 self.train(True)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self._run_loss(batch, loss_fn, loss_weight_fn, backward=True)
+            if self._dp is not None:  # sum the LoRA gradients of the replicas: one global step everywhere
+                self._dp.all_reduce_grads(self._trainable())
+                loss = torch.tensor(self._dp.all_reduce_sum(float(loss), "loss all-reduce"))
             stats = self.optimizer_step()
         stats["loss"] = float(loss)
         return stats
@@ -468,6 +489,8 @@ class ColocatedTrainEngine(TrainEngine):
         if self.rollout_engine is None:
             raise RuntimeError("update_weights: call connect_engine(rollout, meta) first")
         version = meta.version if meta.version is not None else self.get_version()
+        if self._dp is not None:
+            self._dp.check_lockstep(version)
         if self._colocated:
             eng = self.rollout_engine.rollout_engine
             eng.weights_changed(version)  # also when the version is unchanged: the weights did change
@@ -519,6 +542,8 @@ class ColocatedTrainEngine(TrainEngine):
         optimizer state when ``with_optim``."""
         if meta.weight_format not in ("hf", "dcp"):
             raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+        if self._dp is not None and self._dp.rank != 0:
+            return  # the replicas hold identical weights and optimizer states: rank 0 writes them
         os.makedirs(meta.path, exist_ok=True)
         model = self.policy.model
         with self.policy.lock:
@@ -567,7 +592,8 @@ class ColocatedTrainEngine(TrainEngine):
 
     # ================================================================== misc
     def export_stats(self) -> dict[str, float]:
-        return stats_tracker.export_all(reduce_group=None)
+        """This process's statistics; with dN averaged over the replicas (as FSDPEngine does)."""
+        return stats_tracker.export_all(reduce_group=self.data_parallel_group)
 
     def onload(self) -> None:
         """Nothing to do: the weights are shared with the rollout engine and stay where they are."""

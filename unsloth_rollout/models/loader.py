@@ -204,7 +204,8 @@ def load_model(
     logger.info("unsloth_rollout: backend=%s (%s)", chosen, reason)
     dtype = _default_dtype(dtype)
     if chosen == "unsloth":
-        policy = _load_unsloth(path, is_vlm, dtype, load_in_4bit, max_seq_length, lora, gradient_checkpointing)
+        policy = _load_unsloth(path, is_vlm, dtype, load_in_4bit, max_seq_length, lora, gradient_checkpointing,
+                               device)
     else:
         policy = _load_transformers(path, config, is_vlm, dtype, load_in_4bit, lora, gradient_checkpointing,
                                     device, attn_implementation)
@@ -255,7 +256,8 @@ def _load_transformers(path, config, is_vlm, dtype, load_in_4bit, lora, gradient
     return policy
 
 
-def _load_unsloth(path, is_vlm, dtype, load_in_4bit, max_seq_length, lora, gradient_checkpointing) -> PolicyModel:
+def _load_unsloth(path, is_vlm, dtype, load_in_4bit, max_seq_length, lora, gradient_checkpointing,
+                  device=None) -> PolicyModel:
     import unsloth  # noqa: F401  (must come before transformers' models are built)
     from unsloth import FastLanguageModel, FastVisionModel
 
@@ -263,6 +265,8 @@ def _load_unsloth(path, is_vlm, dtype, load_in_4bit, max_seq_length, lora, gradi
     kwargs: dict[str, Any] = {"model_name": path, "dtype": dtype, "load_in_4bit": load_in_4bit}
     if max_seq_length is not None:
         kwargs["max_seq_length"] = max_seq_length
+    if device is not None:  # e.g. one replica per GPU (unsloth:dN): cuda:LOCAL_RANK, not Unsloth's "sequential"
+        kwargs["device_map"] = {"": str(device)}
     try:
         model, tok = cls.from_pretrained(**kwargs)
     except NotImplementedError as e:
