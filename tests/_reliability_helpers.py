@@ -17,16 +17,11 @@ import threading
 import time
 
 import httpx
+from conftest import figures_root
 import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def figures_root() -> pathlib.Path:
-    """Where tests write measured figures: $UNSLOTH_ROLLOUT_FIGURES, else the ignored .figures/ folder.
-    ``scripts/record_figures.sh`` points it at benchmarks/ to refresh the recorded ones."""
-    return pathlib.Path(os.environ.get("UNSLOTH_ROLLOUT_FIGURES") or ROOT / ".figures")
 
 
 FIGURES = figures_root() / "reliability"

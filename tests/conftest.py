@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"smoke tests listed in conftest.SMOKE_TESTS but not collected: {missing}")
 
 
+def figures_root():
+    """Where tests write measured figures: $UNSLOTH_ROLLOUT_FIGURES, else the ignored .figures/ folder.
+    ``scripts/record_figures.sh`` points it at benchmarks/ to refresh the recorded ones."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return pathlib.Path(os.environ.get("UNSLOTH_ROLLOUT_FIGURES") or root / ".figures")
+
+
 @pytest.fixture(scope="session")
 def qwen2_dir():
     return str(tiny_model_path("qwen2", "tiny"))

@@ -9,7 +9,7 @@ import pathlib
 import time
 
 import pytest
-from _reliability_helpers import figures_root
+from conftest import figures_root
 
 from unsloth_rollout.testing.figures import plot_reward_curve
 
