@@ -54,3 +54,33 @@ def vlm_item(policy, i: int) -> dict:
     text = policy.tokenizer.apply_chat_template([{"role": "user", "content": IMAGE_TOKEN + f"What is shape {i}?"}],
                                                 tokenize=False, add_generation_prompt=True)
     return {"messages": text, "images": [random_image(100 + i)]}
+
+
+class ForcedOutput:
+    """A fixed-output double at the sampler level: every sequence emits ``ids`` then EOS.
+
+    It wraps the engine's real Sampler and adds a large logit bias to the scripted token of each row
+    (by the row's output position), so everything past the sampler (stop checks, detokenization,
+    logprobs, versions, the server and ArealOpenAI) runs unchanged. Use as a context manager.
+    """
+
+    def __init__(self, rollout_engine, ids: list[int], bias: float = 1e4):
+        self.engine = rollout_engine
+        self.inner = rollout_engine.sampler
+        self.ids = list(ids)
+        self.bias = bias
+        self.eos = rollout_engine.eos_ids[0]
+
+    def __call__(self, logits, seqs):
+        logits = logits.float().clone()
+        for i, s in enumerate(seqs):
+            n = len(s.output_ids)
+            logits[i, self.ids[n] if n < len(self.ids) else self.eos] += self.bias
+        return self.inner(logits, seqs)
+
+    def __enter__(self):
+        self.engine.sampler = self
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.sampler = self.inner

@@ -38,6 +38,7 @@ from areal.utils import logging, name_resolve, names, stats_tracker
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
 from ..models import PolicyModel, load_model
 from ._spec import is_unsloth_backend, parse_unsloth_backend
+from .openai_compat import UnslothModelResponse
 
 logger = logging.getLogger("UnslothInferenceEngine")
 
@@ -207,8 +208,9 @@ class UnslothInferenceEngine(InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample, following ``RemoteInfEngine.agenerate``'s contract.
 
-        ``input_tokens`` echoes ``req.input_ids`` (expanded image pads or one placeholder per
-        image: both work), ``output_tokens`` includes the final EOS, ``output_logprobs`` are
+        ``input_tokens`` is the prompt as the model ran it (``req.input_ids``, with any one-per-image
+        placeholder expanded to the image's pad tokens) and, with images, ``multi_modal_input`` holds
+        the engine's own ``pixel_values`` / ``image_grid_thw``; ``output_tokens`` includes the final EOS, ``output_logprobs`` are
         ``log_softmax(raw_logits / T)`` of the sampled tokens, ``output_versions`` the weight
         version of each token, ``stop_reason`` is "stop" or "length".
         """
@@ -233,6 +235,7 @@ class UnslothInferenceEngine(InferenceEngine):
         versions: list[int] = []
         ttft = None
         stop_reason = None
+        first = None
         # An "abort" without error (someone aborted in-flight requests) keeps the tokens and continues,
         # as the remote engines do; pause_generation() itself keeps sequences in place.
         while stop_reason not in ("stop", "length") and len(tokens) < max_new_tokens:
@@ -244,6 +247,8 @@ class UnslothInferenceEngine(InferenceEngine):
                 raise RuntimeError(f"unsloth rollout engine failed request {req.rid}: {out.error}")
             if ttft is None and out.metrics.get("ttft_s") is not None:
                 ttft = float(out.metrics["ttft_s"])
+            if first is None:
+                first = out
             tokens += out.output_ids
             logprobs += [float(x) for x in out.output_logprobs]
             versions += [int(v) for v in out.output_versions]
@@ -253,8 +258,16 @@ class UnslothInferenceEngine(InferenceEngine):
         if stop_reason not in ("stop", "length"):
             stop_reason = "length"
         latency = time.perf_counter() - start
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
+        mm = None
+        input_tokens = list(req.input_ids)
+        if first is not None and first.pixel_values is not None:
+            # The prompt as the model ran it (placeholders expanded) and the exact pixels it saw: what the
+            # trainer needs to recompute these logprobs (ArealOpenAI sends one placeholder per image).
+            input_tokens = list(first.prompt_ids)
+            mm = {"pixel_values": first.pixel_values, "image_grid_thw": first.image_grid_thw}
+        return UnslothModelResponse(
+            multi_modal_input=mm,
+            input_tokens=input_tokens,
             input_images=req.image_data if req.image_data is not None else [],
             output_tokens=tokens,
             output_logprobs=logprobs,

@@ -50,7 +50,8 @@ class GenerationOutput:
     the weight version that produced token i. ``finish_reason`` is "stop" (EOS, stop id or stop
     string; an EOS or stop id stays in ``output_ids``), "length" or "abort". ``stop_reason`` is the
     matched stop string or token id, when there is one. ``error`` is set when the request was
-    rejected or failed (then ``finish_reason`` is "abort").
+    rejected or failed (then ``finish_reason`` is "abort"). ``prompt_ids`` has every image placeholder
+    expanded; ``pixel_values`` / ``image_grid_thw`` are what the model saw for its images (None without).
     """
 
     request_id: str
@@ -65,6 +66,9 @@ class GenerationOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     sample_index: int = 0
+    # The vision inputs the prompt ran with (VLM requests with images): the exact tensors, for trainers.
+    pixel_values: Any = None
+    image_grid_thw: Any = None
 
     @property
     def finished(self) -> bool:
