@@ -59,24 +59,30 @@ def vlm_item(policy, i: int) -> dict:
 class ForcedOutput:
     """A fixed-output double at the sampler level: every sequence emits ``ids`` then EOS.
 
-    It wraps the engine's real Sampler and adds a large logit bias to the scripted token of each row
-    (by the row's output position), so everything past the sampler (stop checks, detokenization,
-    logprobs, versions, the server and ArealOpenAI) runs unchanged. Use as a context manager.
+    It wraps the engine's real Sampler: the sampler runs as usual, then each row's token is replaced by
+    the scripted one (by the row's output position) and its logprob by the model's own
+    ``log_softmax(logits / T)`` of that token, so everything past the sampler (stop checks,
+    detokenization, logprobs, versions, the server and ArealOpenAI) runs unchanged, as if the model had
+    sampled the script. Use as a context manager.
     """
 
-    def __init__(self, rollout_engine, ids: list[int], bias: float = 1e4):
+    def __init__(self, rollout_engine, ids: list[int]):
         self.engine = rollout_engine
         self.inner = rollout_engine.sampler
         self.ids = list(ids)
-        self.bias = bias
-        self.eos = rollout_engine.eos_ids[0]
+        eos = rollout_engine.tokenizer.eos_token_id  # the chat turn's end (<|im_end|>), as a chat model ends
+        self.eos = eos if eos is not None else rollout_engine.eos_ids[0]
 
     def __call__(self, logits, seqs):
-        logits = logits.float().clone()
+        res = self.inner(logits, seqs)
+        temps = torch.tensor([s.sampling.logprob_temperature for s in seqs], device=logits.device).unsqueeze(1)
+        raw = torch.log_softmax(logits.float() / temps, dim=-1)
         for i, s in enumerate(seqs):
             n = len(s.output_ids)
-            logits[i, self.ids[n] if n < len(self.ids) else self.eos] += self.bias
-        return self.inner(logits, seqs)
+            t = self.ids[n] if n < len(self.ids) else self.eos
+            res.tokens[i] = t
+            res.logprobs[i] = float(raw[i, t])
+        return res
 
     def __enter__(self):
         self.engine.sampler = self
