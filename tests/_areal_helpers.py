@@ -66,10 +66,11 @@ class ForcedOutput:
     sampled the script. Use as a context manager.
     """
 
-    def __init__(self, rollout_engine, ids: list[int]):
+    def __init__(self, rollout_engine, ids):
+        """``ids``: the token ids to emit, or ``ids(seq) -> token ids`` choosing per sequence (by its prompt)."""
         self.engine = rollout_engine
         self.inner = rollout_engine.sampler
-        self.ids = list(ids)
+        self.script = ids if callable(ids) else (lambda seq, ids=list(ids): ids)
         eos = rollout_engine.tokenizer.eos_token_id  # the chat turn's end (<|im_end|>), as a chat model ends
         self.eos = eos if eos is not None else rollout_engine.eos_ids[0]
 
@@ -79,7 +80,8 @@ class ForcedOutput:
         raw = torch.log_softmax(logits.float() / temps, dim=-1)
         for i, s in enumerate(seqs):
             n = len(s.output_ids)
-            t = self.ids[n] if n < len(self.ids) else self.eos
+            ids = self.script(s)
+            t = ids[n] if n < len(ids) else self.eos
             res.tokens[i] = t
             res.logprobs[i] = float(raw[i, t])
         return res

@@ -247,3 +247,132 @@ def test_multi_turn_vlm_trajectory_carries_the_rollout_pixels(engine, rollout_en
     shifted = torch.roll(batch["logprobs"], -1, -1)
     m = torch.roll(batch["loss_mask"], -1, -1).bool()
     assert (recomputed - shifted)[m].abs().max().item() < 1e-5
+
+
+# ============================================================================ 3. agent workflows (plain openai SDK)
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples"
+
+
+def _example():
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from shapes_agent import agent, env
+
+    return agent, env
+
+
+def _count_call(color: str) -> str:
+    return f'<tool_call>\n{{"name": "count", "arguments": {{"color": "{color}"}}}}\n</tool_call>'
+
+
+def _by_turn(rollout_engine, texts: list[str]):
+    """A ForcedOutput script per turn of a chat: turn k's prompt holds 2 + 2k end-of-turn tokens."""
+    tok = rollout_engine.tokenizer
+    ids = [tok.encode(t) for t in texts]
+    im_end = tok.eos_token_id
+
+    def pick(seq):
+        turn = (seq.prompt.prompt_ids.count(im_end) - 2) // 2
+        return ids[min(max(turn, 0), len(ids) - 1)]
+
+    return ForcedOutput(rollout_engine, pick)
+
+
+def _hf_oracle(policy, messages, tools, output_ids):
+    """Prompt ids from the HF chat template (tool-call arguments as objects, as vLLM renders them, images
+    expanded by the processor's grid) and teacher-forced logprobs of ``output_ids`` with the processor's pixels."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    images, msgs = [], []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            parts = []
+            for p in m["content"]:
+                if p.get("type") == "image_url":
+                    images.append(Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])))
+                                  .convert("RGB"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(p)
+            m["content"] = parts
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        msgs.append(m)
+    tok = policy.tokenizer
+    text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    enc = policy.processor.image_processor(images=images, return_tensors="pt")
+    counts = iter([int(g.prod()) // 4 for g in enc["image_grid_thw"]])
+    pad = policy.config.image_token_id
+    expanded = [x for t in ids for x in ([t] * next(counts) if t == pad else [t])]
+    full = torch.tensor([expanded + list(output_ids)])
+    types = (full == pad).long()
+    policy.clear_rope_deltas()
+    with policy.lock, torch.no_grad():
+        logits = policy.model(input_ids=full, attention_mask=torch.ones_like(full), pixel_values=enc["pixel_values"],
+                              image_grid_thw=enc["image_grid_thw"], mm_token_type_ids=types, use_cache=False).logits
+    policy.clear_rope_deltas()
+    lp = torch.log_softmax(logits[0].float(), -1)[len(expanded) - 1:-1]
+    return expanded, lp.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1), enc
+
+
+def test_agent_server_records_each_interaction_like_arealopenai(engine, rollout_engine, policy):
+    from areal.experimental.openai import ArealOpenAI
+
+    from unsloth_rollout.areal.agent_server import AgentServer
+
+    agent_mod, env = _example()
+    data = {"scene_seed": 7, "color": "red"}
+    scene = env.Scene(7)
+    script = [ZOOM_CALL, _count_call("red"), f"There are {scene.answer('red')}."]
+    server = AgentServer(rollout_engine, tool_call_parser="qwen")
+    try:
+        session = server.start_session()
+        with _by_turn(rollout_engine, script):
+            reward = asyncio.run(agent_mod.ShapesAgent(max_tokens=64).run(data, base_url=server.base_url,
+                                                                          api_key=session.key))
+        server.end_session(session.key)
+        # An ended session's key is refused; other keys are served unrecorded.
+        import httpx
+
+        r = httpx.post(server.base_url + "/chat/completions", headers={"Authorization": f"Bearer {session.key}"},
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 401 and "session" in r.json()["error"]["message"]
+    finally:
+        server.close()
+    assert reward == 1.0
+    session.cache.set_last_reward(reward)
+    inters = list(session.cache.export_interactions("individual", reward_discount=1.0).values())
+    assert [len(i.messages) for i in inters] == [2, 4, 6] and [i.reward for i in inters] == [1.0, 1.0, 1.0]
+    assert [_calls(i.completion.choices[0].message.tool_calls) for i in inters] == \
+        [[("zoom", {"region": "top"})], [("count", {"color": "red"})], []]
+    for inter in inters:
+        t = inter.to_tensor_dict()
+        out = inter.model_response.output_tokens
+        prompt, oracle_lp, enc = _hf_oracle(policy, inter.messages, env.TOOLS, out)
+        assert inter.model_response.input_tokens == prompt  # images expanded, arguments rendered as objects
+        assert torch.equal(t["multi_modal_input"][0]["pixel_values"], enc["pixel_values"])
+        assert (torch.tensor(inter.model_response.output_logprobs) - oracle_lp).abs().max().item() < 1e-5
+        assert t["loss_mask"][0].sum().item() == len(out) and (t["versions"][0][t["loss_mask"][0].bool()] >= 0).all()
+
+    # The first turn, through AReaL's own client on the same engine: the same trajectory.
+    client = ArealOpenAI(engine=engine, tokenizer=rollout_engine.tokenizer, tool_call_parser="qwen")
+    with ForcedOutput(rollout_engine, rollout_engine.tokenizer.encode(script[0])):
+        asyncio.run(client.chat.completions.create(messages=inters[0].messages, tools=env.TOOLS,
+                                                   max_completion_tokens=64, temperature=1.0))
+    client.set_last_reward(1.0)
+    client.apply_reward_discount(turn_discount=1.0)
+    (theirs,) = client.export_interactions("individual").values()
+    a, b = inters[0].to_tensor_dict(), theirs.to_tensor_dict()
+    for k in ("input_ids", "loss_mask", "versions", "attention_mask", "rewards"):
+        assert torch.equal(a[k], b[k]), k
+    assert (a["logprobs"] - b["logprobs"]).abs().max().item() < 1e-5
+    assert torch.equal(a["multi_modal_input"][0]["pixel_values"], b["multi_modal_input"][0]["pixel_values"])
+    assert _calls(theirs.output_message_list[0]["tool_calls"]) == _calls(inters[0].output_message_list[0]["tool_calls"])

@@ -68,11 +68,42 @@ class UnslothInferenceEngine(InferenceEngine):
         resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig)))
     """
 
-    # AReaL's own workflow resolution (instance / class / "module.Class" / agent + proxy, group_size
-    # through GroupedRolloutWorkflow); it needs only config, logger and _wrap_openai_agent.
-    _resolve_workflow = RemoteInfEngine._resolve_workflow
     _resolve_should_accept_fn = RemoteInfEngine._resolve_should_accept_fn
-    _wrap_openai_agent = RemoteInfEngine._wrap_openai_agent
+
+    def _resolve_workflow(self, workflow, workflow_kwargs, group_size: int = 1, proxy_addr: str | None = None):
+        """AReaL's own workflow resolution (instance / class / "module.Class", group_size through
+        GroupedRolloutWorkflow); agent workflows (``async def run``) go to this engine's in-process server."""
+        from .agent_server import IN_PROCESS
+
+        return RemoteInfEngine._resolve_workflow(self, workflow, workflow_kwargs, group_size,
+                                                 proxy_addr=proxy_addr or IN_PROCESS)
+
+    def _wrap_openai_agent(self, agent, proxy_addr: str | None = None):
+        """An agent workflow as an ``UnslothAgentWorkflow`` on this engine's ``AgentServer``."""
+        from .agent_server import UnslothAgentWorkflow
+
+        cfg = self.config.agent
+        if cfg is None:
+            from areal.api.cli_args import AgentConfig
+
+            cfg = AgentConfig()
+        if agent is None:
+            raise NotImplementedError("agent.mode='online' (external users through AReaL's proxy gateway) is not "
+                                      "supported by the unsloth backend; pass an agent workflow")
+        return UnslothAgentWorkflow(agent, lambda: self.agent_server, mode=cfg.mode, discount=cfg.turn_discount,
+                                    export_style=cfg.export_style, subproc_max_workers=cfg.subproc_max_workers)
+
+    @property
+    def agent_server(self):
+        """The OpenAI-compatible server agent workflows talk to (started on first use, on 127.0.0.1)."""
+        with self._agent_lock:
+            if self._agent_server is None:
+                from .agent_server import AgentServer
+
+                cfg = self.config.agent
+                self._agent_server = AgentServer(self.rollout_engine,
+                                                 tool_call_parser=cfg.tool_call_parser if cfg is not None else "qwen")
+            return self._agent_server
 
     def __init__(self, config: InferenceEngineConfig, policy: PolicyModel | str | None = None, *,
                  rollout_engine: RolloutEngine | None = None, load_options: dict | None = None,
@@ -103,6 +134,8 @@ class UnslothInferenceEngine(InferenceEngine):
         self._initialized = False
         self._proxy_gateway_addr: str | None = None
         self._colocated_train_engine = None  # set by ColocatedTrainEngine.connect_engine
+        self._agent_server = None  # started by the first agent workflow
+        self._agent_lock = threading.Lock()
         self._warned: set[str] = set()
         self.logger = logger
 
@@ -140,6 +173,9 @@ class UnslothInferenceEngine(InferenceEngine):
         if self._workflow_executor is not None:
             self._workflow_executor.destroy()
             self._workflow_executor = None
+        if self._agent_server is not None:
+            self._agent_server.close()
+            self._agent_server = None
         if self._engine is not None and self._owns_engine:
             self._engine.shutdown()
 

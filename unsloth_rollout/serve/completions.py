@@ -481,12 +481,17 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
     state.counters[("requests", "chat")] += 1
     if req.stream_options and not req.stream:
         raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    session = state.sessions.lookup(raw) if state.sessions is not None else None
+    if session is not None:
+        if (req.n or 1) != 1:
+            raise APIError("n must be 1 in a recorded session (one completion per request)", param="n")
+        req.model = None  # the live policy answers a session, whatever model the agent names (as AReaL's proxy)
     await state.wait_gate()
     prep = await prepare_chat(state, req)
     rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
     state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
     try:
-        if req.stream:
+        if req.stream and session is None:
             stream = EngineStream(state.engine, prep.requests)
             return StreamingResponse(_chat_events(state, req, prep, stream, rid), media_type="text/event-stream",
                                      background=BackgroundTask(stream.close))
@@ -495,7 +500,33 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
         return Response(status_code=499)
     except InvalidRequestError as e:
         raise _engine_error(e, prep) from None
-    return JSONResponse(chat_response(state, req, prep, outs, rid))
+    body = chat_response(state, req, prep, outs, rid)
+    if session is not None:
+        session.record(req, prep, outs, body)  # before the agent can see the answer
+        if req.stream:  # recorded whole, then replayed as a stream
+            return StreamingResponse(_replay_chat_events(body, req), media_type="text/event-stream")
+    return JSONResponse(body)
+
+
+async def _replay_chat_events(body: dict, req: ChatCompletionRequest):
+    """A finished chat completion as SSE chunks (role, content, tool calls, finish, usage, [DONE])."""
+    head = {k: body[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for choice in body["choices"]:
+        msg, i = choice["message"], choice["index"]
+        deltas = [{"role": "assistant", "content": ""}]
+        if msg.get("content"):
+            deltas.append({"content": msg["content"]})
+        if msg.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": j, **c} for j, c in enumerate(msg["tool_calls"])]})
+        for d in deltas:
+            yield _sse({**head, "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                         "finish_reason": choice["finish_reason"],
+                                         "stop_reason": choice.get("stop_reason")}]})
+    if req.stream_options and req.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": body["usage"]})
+    yield "data: [DONE]\n\n"
 
 
 async def completions(state: ServerState, req: CompletionRequest, raw) -> Response:

@@ -1,0 +1,285 @@
+"""Agent workflows on the unsloth backend: the engine serves the agent, in process, over loopback HTTP.
+
+An *agent workflow* is any object with ``async def run(data, **extra_kwargs)`` that talks to an
+OpenAI-compatible endpoint with the plain ``openai`` SDK (``base_url``, ``api_key``, ``http_client``
+in ``extra_kwargs``; or ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` in ``subproc`` mode) and returns its
+reward (a float, or ``{completion_id: reward}``). On remote engines AReaL runs it behind its proxy
+workers. Here:
+
+- ``AgentServer``: the project's own server (``unsloth_rollout.serve.create_app``) over the live
+  RolloutEngine, on 127.0.0.1, with per-episode *sessions*: a session is an API key; every chat
+  completion made with it is recorded the way AReaL's proxy records it -- an
+  ``InteractionWithTokenLogpReward`` (messages, the completion, the prompt's token ids as the model ran
+  them, output ids, logprobs, weight versions, and for VLMs the exact pixel values) in an
+  ``InteractionCache``. Other keys are served unrecorded; a finished session's key is refused (401).
+- ``UnslothAgentWorkflow``: the ``RolloutWorkflow`` AReaL's executor runs per episode: open a session,
+  run the agent unchanged, hand its reward to the session's interactions (AReaL's rules: a float goes
+  to the last completion, a dict by id; turn discount), export them (``individual`` style) as the
+  trajectory. An agent that fails (raises, a 400 from the server such as a context overflow, a bad
+  reward) ends only its own episode: its recorded completions are kept with reward 0 and the error
+  is logged; an episode without any completion is rejected (None).
+
+``UnslothInferenceEngine`` resolves agent workflows to ``UnslothAgentWorkflow`` (``install()`` /
+the source patch keep ``PPOTrainer`` from starting proxy workers), so::
+
+    trainer.train(workflow=MyAgent(), workflow_kwargs=None)   # rollout.backend: "unsloth:d1"
+
+Example (without a trainer)::
+
+    server = AgentServer(rollout_engine, tool_call_parser="qwen")
+    session = server.start_session()
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.key)
+    ...   # the agent's requests
+    server.end_session(session.key).cache.export_interactions("individual", reward_discount=1.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.api import RolloutWorkflow
+from areal.experimental.openai.cache import InteractionCache
+from areal.experimental.openai.types import InteractionWithTokenLogpReward
+from areal.utils import logging, stats_tracker
+
+from .openai_compat import UnslothModelResponse, project_tool_parser
+
+logger = logging.getLogger("UnslothAgentServer")
+
+SESSION_KEY_PREFIX = "areal-session-"
+IN_PROCESS = "unsloth-in-process"  # the proxy_addr AReaL's workflow resolution gets: the engine serves itself
+
+
+@dataclass
+class AgentSession:
+    """One episode's recorded completions (an InteractionCache), addressed by its API key."""
+
+    key: str
+    cache: InteractionCache = field(default_factory=InteractionCache)
+    closed: bool = False
+    started: float = field(default_factory=time.time)
+    tokenizer: Any = None
+    dropped: int = 0  # completions that finished after the session ended
+
+    def record(self, req, prep, outs, body: dict) -> None:
+        """Store one chat completion as AReaL's proxy does (called by the server before it answers)."""
+        from areal.experimental.openai.client import _ensure_message_dict_list
+        from openai.types.chat import ChatCompletion, ChatCompletionMessage
+
+        if self.closed:
+            self.dropped += 1
+            logger.warning(f"session {self.key[:22]}...: a completion finished after the episode ended; not recorded")
+            return
+        (out,) = outs
+        choice = body["choices"][0]
+        msg = choice["message"]
+        message = ChatCompletionMessage(role="assistant", content=msg.get("content"),
+                                        tool_calls=msg.get("tool_calls") or None)
+        mm = None
+        if out.pixel_values is not None:
+            mm = {"pixel_values": out.pixel_values, "image_grid_thw": out.image_grid_thw}
+        response = UnslothModelResponse(
+            input_tokens=list(out.prompt_ids), output_tokens=list(out.output_ids),
+            output_logprobs=[float(x) for x in out.output_logprobs],
+            output_versions=[int(v) for v in out.output_versions],
+            stop_reason=choice["finish_reason"] if choice["finish_reason"] in ("stop", "length", "tool_calls")
+            else "abort",
+            tokenizer=self.tokenizer, latency=float(out.metrics.get("latency_s") or 0.0),
+            ttft=float(out.metrics.get("ttft_s") or 0.0), multi_modal_input=mm)
+        interaction = InteractionWithTokenLogpReward(
+            messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="hf",
+            model_response=response, completion=ChatCompletion.model_validate(body),
+            output_message_list=[message.model_dump(exclude_none=True)])
+        self.cache[body["id"]] = interaction
+
+
+class AgentServer:
+    """The project's OpenAI-compatible server over ``rollout_engine``, on loopback, with recorded sessions.
+
+    Args:
+        rollout_engine: the live RolloutEngine (the trainer's policy).
+        tool_call_parser: AReaL's parser name (``agent.tool_call_parser``: qwen, hermes, llama3_json, ...).
+        host, port: where to listen (port 0: a free port).
+        served_model_name: the name ``/v1/models`` reports (session requests may name any model).
+    """
+
+    def __init__(self, rollout_engine, *, tool_call_parser: str = "qwen", host: str = "127.0.0.1", port: int = 0,
+                 served_model_name: str = "policy"):
+        from ..serve import create_app, serve_in_thread
+
+        self.engine = rollout_engine
+        self.app = create_app(rollout_engine, served_model_name=served_model_name,
+                              tool_call_parser=project_tool_parser(tool_call_parser))
+        self.app.state.server.sessions = self
+        self._sessions: dict[str, AgentSession] = {}
+        self._lock = threading.Lock()
+        self._server = serve_in_thread(self.app, host=host, port=port)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.host, self.port = host, port
+        self.base_url = f"http://{host}:{port}/v1"
+
+    # ------------------------------------------------------------------ sessions
+    def start_session(self) -> AgentSession:
+        session = AgentSession(SESSION_KEY_PREFIX + secrets.token_hex(16), tokenizer=self.engine.tokenizer)
+        with self._lock:
+            self._sessions[session.key] = session
+        return session
+
+    def end_session(self, key: str) -> AgentSession:
+        """Close a session (its key is refused from now on) and return it with its recorded completions."""
+        with self._lock:
+            session = self._sessions.pop(key)
+        session.closed = True
+        return session
+
+    def lookup(self, raw_request) -> AgentSession | None:
+        """The session a request's API key opens; None for other keys; 401 for an unknown or ended session."""
+        from ..serve.protocol import APIError
+
+        auth = raw_request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else raw_request.headers.get("x-api-key", "")
+        if not key.startswith(SESSION_KEY_PREFIX):
+            return None
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise APIError("unknown or finished session: this episode has ended (its API key is no longer valid)",
+                           401)
+        return session
+
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def close(self) -> None:
+        """Stop the HTTP server (the engine is not touched)."""
+        self._server.should_exit = True
+        thread = getattr(self._server, "thread", None)
+        if thread is not None:
+            thread.join(timeout=10)
+
+
+class UnslothAgentWorkflow(RolloutWorkflow):
+    """Runs an OpenAI-SDK agent (``async def run(data, **extra_kwargs)``) as one episode on ``AgentServer``.
+
+    Args:
+        agent: the agent object (its ``run`` must be a coroutine function).
+        server: an ``AgentServer``, or a callable returning one (started on first use).
+        mode: "inline" (``run(data, base_url=..., api_key=..., http_client=...)`` on the rollout loop) or
+            "subproc" (``run(data)`` in a worker process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``).
+        discount: AReaL's turn discount (reward propagated backwards over the episode's completions).
+        export_style: "individual" (each completion one trajectory, as AReaL's default).
+    """
+
+    def __init__(self, agent: Any, server, *, mode: str = "inline", discount: float = 1.0,
+                 export_style: str = "individual", subproc_max_workers: int = 4):
+        if mode not in ("inline", "subproc"):
+            raise ValueError(f"agent.mode: the unsloth backend runs agents 'inline' or 'subproc', got {mode!r}"
+                             + (" (online mode needs AReaL's proxy gateway)" if mode == "online" else ""))
+        if export_style != "individual":
+            raise ValueError(f"agent.export_style: the unsloth agent server records each completion with the "
+                             f"model's chat template ('hf'), so episodes export as 'individual'; got {export_style!r}")
+        run = getattr(agent, "run", None)
+        if run is None or not callable(run):
+            raise TypeError(f"Agent must have a callable 'run' method; {type(agent).__name__} has none")
+        if not asyncio.iscoroutinefunction(run):
+            raise TypeError(f"Agent's 'run' method must be an async function; {type(agent).__name__}.run is not")
+        self.agent = agent
+        self._server = server
+        self.mode = mode
+        self.discount = float(discount)
+        self.export_style = export_style
+        self.subproc_max_workers = subproc_max_workers
+
+    @property
+    def server(self) -> AgentServer:
+        if not isinstance(self._server, AgentServer):
+            self._server = self._server()
+        return self._server
+
+    async def _run_agent(self, session: AgentSession, data: dict):
+        server = self.server
+        if self.mode == "inline":
+            from areal.infra import workflow_context
+
+            try:
+                http_client = await workflow_context.get_httpx_client()
+            except Exception:  # outside AReaL's executor (no workflow context): the SDK's own client
+                http_client = None
+            kwargs = {"base_url": server.base_url, "api_key": session.key}
+            if http_client is not None:
+                kwargs["http_client"] = http_client
+            return await self.agent.run(data, **kwargs)
+        from areal.experimental.openai.proxy.workflow import _get_executor, _wrap_run
+
+        env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": session.key}
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_get_executor(max_workers=self.subproc_max_workers), _wrap_run,
+                                          self.agent, data, env)
+
+    @staticmethod
+    def _assign(cache: InteractionCache, rewards) -> None:
+        if isinstance(rewards, dict):
+            unknown = [k for k in rewards if k not in cache]
+            if unknown:
+                raise ValueError(f"the agent's reward dict names completion id(s) {unknown[:3]} this episode did "
+                                 f"not make (ids are chat.completions.create(...).id)")
+            for cid, r in rewards.items():
+                if not isinstance(r, numbers.Real) or isinstance(r, bool):
+                    raise ValueError(f"reward for {cid!r} must be a number, got {type(r).__name__}")
+                cache.set_reward(cid, float(r))
+        elif isinstance(rewards, numbers.Real) and not isinstance(rewards, bool):
+            cache.set_last_reward(float(rewards))
+        else:
+            raise ValueError(f"the agent's run() must return a float or {{completion_id: float}}, "
+                             f"got {type(rewards).__name__}")
+
+    async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, InteractionWithTokenLogpReward] | None:
+        session = self.server.start_session()
+        error: BaseException | None = None
+        rewards = None
+        try:
+            rewards = await self._run_agent(session, data)
+        except Exception as exc:  # the agent's own failure ends its episode, not the run
+            error = exc
+        finally:
+            self.server.end_session(session.key)
+        cache = session.cache
+        if error is None:
+            try:
+                self._assign(cache, rewards)
+            except ValueError as exc:
+                error = exc
+        scope = _stat_scope()
+        if error is not None:
+            logger.warning(f"agent episode failed ({type(error).__name__}: {error}); "
+                           + (f"its {len(cache)} completion(s) are kept with reward 0" if cache
+                              else "it made no completion: trajectory rejected"))
+            stats_tracker.get(scope).scalar(agent_error=1.0)
+            if not cache:
+                return None
+            for cid in cache:
+                cache.set_reward(cid, 0.0)
+        elif not cache:
+            logger.warning("agent episode made no chat completion; trajectory rejected")
+            return None
+        interactions = cache.export_interactions(style=self.export_style, reward_discount=self.discount)
+        last = next(reversed(interactions))
+        stats_tracker.get(scope).scalar(reward=interactions[last].reward, turns=float(len(cache)))
+        return interactions
+
+
+def _stat_scope() -> str:
+    try:
+        from areal.infra import workflow_context
+
+        return workflow_context.stat_scope()
+    except Exception:
+        return "rollout"
