@@ -62,7 +62,8 @@ def rollout_engine(policy):
 
 @pytest.fixture(scope="module")
 def engine(rollout_engine):
-    e = UnslothInferenceEngine(InferenceEngineConfig(backend="unsloth:d1", consumer_batch_size=2),
+    e = UnslothInferenceEngine(InferenceEngineConfig(backend="unsloth:d1", consumer_batch_size=2,
+                                                     max_head_offpolicyness=int(1e10)),  # no staleness gate
                                rollout_engine=rollout_engine)
     e.initialize()
     yield e
@@ -376,3 +377,92 @@ def test_agent_server_records_each_interaction_like_arealopenai(engine, rollout_
     assert (a["logprobs"] - b["logprobs"]).abs().max().item() < 1e-5
     assert torch.equal(a["multi_modal_input"][0]["pixel_values"], b["multi_modal_input"][0]["pixel_values"])
     assert _calls(theirs.output_message_list[0]["tool_calls"]) == _calls(inters[0].output_message_list[0]["tool_calls"])
+
+
+class _RaisesAfterOneCall:
+    """Makes one completion, then fails (a bug in the agent's own code)."""
+
+    async def run(self, data, **kw):
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw.get("http_client"))
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        raise RuntimeError("the agent's environment crashed")
+
+
+class _OverflowsTheContext:
+    """One fine turn, then a prompt longer than the engine's context (the server answers 400)."""
+
+    async def run(self, data, **kw):
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw.get("http_client"),
+                             max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        c = await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+        messages += [c.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "x " * 3000}]
+        await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+        return 1.0
+
+
+class _NoCompletion:
+    async def run(self, data, **kw):
+        return 1.0
+
+
+class _BadReward:
+    async def run(self, data, **kw):
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw.get("http_client"))
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return "great"
+
+
+def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(engine, rollout_engine, capfd):
+    agent_mod, env = _example()
+    data = env.dataset(2, seed=3)
+    answers = [env.Scene(d["scene_seed"]).answer(d["color"]) for d in data]
+    # Two turns each: a count call (text result), then the right answer: reward 1 for every completion.
+    scene_answer = {d["scene_seed"]: a for d, a in zip(data, answers)}
+
+    def pick(seq, tok=rollout_engine.tokenizer):
+        turn = (seq.prompt.prompt_ids.count(tok.eos_token_id) - 2) // 2
+        if turn == 0:
+            return tok.encode(_count_call("red"))
+        text = tok.decode(seq.prompt.prompt_ids)
+        n = next(a for s, a in scene_answer.items() if f"<tool_response>\n{env.Scene(s).call('count', {'color': 'red'})}"
+                 in text)
+        return tok.encode(str(n))
+
+    agent = agent_mod.ShapesAgent(max_tokens=64)
+    with ForcedOutput(rollout_engine, lambda seq: pick(seq)):
+        trajs = engine.rollout_batch(data, workflow=agent, group_size=2)
+    assert len(trajs) == 2  # one per item, the group's 2 episodes x 2 turns as rows
+    for t in trajs:
+        assert t["input_ids"].shape[0] == 4 and torch.all(t["rewards"] >= 0)
+        assert t["multi_modal_input"][0]["pixel_values"] is not None and len(t["multi_modal_input"]) == 4
+
+    # Bad agents: each ends its own episode; recorded completions stay (reward 0), none -> rejected.
+    with ForcedOutput(rollout_engine, rollout_engine.tokenizer.encode("ok")):
+        for bad, kept, why in ((_RaisesAfterOneCall(), 1, "RuntimeError: the agent's environment crashed"),
+                               (_OverflowsTheContext(), 1, "maximum context length is 1024 tokens"),
+                               (_BadReward(), 1, "must return a float"),
+                               (_NoCompletion(), 0, "made no chat completion")):
+            capfd.readouterr()
+            out = engine.rollout_batch([{"i": 0}], workflow=bad)
+            assert len(out) == kept
+            if kept:
+                assert out[0]["rewards"].tolist() == [0.0] and out[0]["loss_mask"].sum() > 0
+            logged = capfd.readouterr()
+            assert why in logged.out + logged.err
+
+    # Malformed tool-call text and an unknown tool: the agent's own rules give reward 0; the run goes on.
+    for text in ('<tool_call>\n{"name": "count", "arguments": {broken}\n</tool_call>',
+                 '<tool_call>\n{"name": "rotate", "arguments": {"angle": 90}}\n</tool_call>'):
+        with ForcedOutput(rollout_engine, rollout_engine.tokenizer.encode(text)):
+            (t,) = engine.rollout_batch(data[:1], workflow=agent)
+        assert t["rewards"].tolist() == [0.0]
+    with ForcedOutput(rollout_engine, lambda seq: pick(seq)):
+        (t,) = engine.rollout_batch(data[:1], workflow=agent)
+    assert t["rewards"].tolist() == [1.0, 1.0]

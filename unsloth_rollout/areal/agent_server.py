@@ -252,6 +252,9 @@ class UnslothAgentWorkflow(RolloutWorkflow):
         finally:
             self.server.end_session(session.key)
         cache = session.cache
+        if error is None and not cache:
+            logger.warning("agent episode made no chat completion; trajectory rejected")
+            return None
         if error is None:
             try:
                 self._assign(cache, rewards)
@@ -267,9 +270,6 @@ class UnslothAgentWorkflow(RolloutWorkflow):
                 return None
             for cid in cache:
                 cache.set_reward(cid, 0.0)
-        elif not cache:
-            logger.warning("agent episode made no chat completion; trajectory rejected")
-            return None
         interactions = cache.export_interactions(style=self.export_style, reward_discount=self.discount)
         last = next(reversed(interactions))
         stats_tracker.get(scope).scalar(reward=interactions[last].reward, turns=float(len(cache)))
