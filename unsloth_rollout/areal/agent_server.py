@@ -119,7 +119,9 @@ class AgentServer:
         self.app.state.server.sessions = self
         self._sessions: dict[str, AgentSession] = {}
         self._lock = threading.Lock()
-        self._server = serve_in_thread(self.app, host=host, port=port)
+        # Agents keep connections open across a training step (seconds to minutes without a request): a short
+        # keep-alive would close them under the client, which then fails its next request ("Connection error").
+        self._server = serve_in_thread(self.app, host=host, port=port, timeout_keep_alive=3600)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.host, self.port = host, port
         self.base_url = f"http://{host}:{port}/v1"
