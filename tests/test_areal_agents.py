@@ -487,3 +487,43 @@ def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(eng
     with ForcedOutput(rollout_engine, lambda seq: pick(seq)):
         (t,) = engine.rollout_batch(data[:1], workflow=agent)
     assert t["rewards"].tolist() == [1.0, 1.0]
+
+
+def test_streaming_agent_is_recorded_and_subproc_mode_runs(engine, rollout_engine):
+    """An agent that streams gets the recorded completion replayed as SSE chunks (tool calls included); an
+    agent in ``subproc`` mode (OPENAI_BASE_URL / OPENAI_API_KEY in a worker process) is served the same way."""
+    from openai import AsyncOpenAI
+
+    from unsloth_rollout.areal.agent_server import AgentServer, UnslothAgentWorkflow
+
+    server = AgentServer(rollout_engine, tool_call_parser="qwen")
+    try:
+        session = server.start_session()
+
+        async def stream():
+            client = AsyncOpenAI(base_url=server.base_url, api_key=session.key, max_retries=0)
+            chunks = await client.chat.completions.create(model="x", messages=[{"role": "user", "content": "go"}],
+                                                          tools=TOOLS, max_tokens=64, stream=True)
+            calls, finish = [], None
+            async for ch in chunks:
+                for c in ch.choices:
+                    calls += c.delta.tool_calls or []
+                    finish = c.finish_reason or finish
+            return calls, finish
+
+        with ForcedOutput(rollout_engine, rollout_engine.tokenizer.encode(_count_call("blue"))):
+            calls, finish = asyncio.run(stream())
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("count", {"color": "blue"})]
+        assert finish == "tool_calls"
+        (inter,) = server.end_session(session.key).cache.values()
+        assert _calls(inter.completion.choices[0].message.tool_calls) == [("count", {"color": "blue"})]
+
+        agent_mod, env = _example()
+        wf = UnslothAgentWorkflow(agent_mod.ShapesAgent(max_tokens=8), server, mode="subproc")
+        with ForcedOutput(rollout_engine, rollout_engine.tokenizer.encode("4")):
+            out = asyncio.run(wf.arun_episode(engine, {"scene_seed": 5, "color": "green"}))
+        (inter,) = out.values()
+        want = agent_mod.answer_reward("4", env.Scene(5).answer("green"))
+        assert inter.reward == want and inter.model_response.output_tokens[:-1] == rollout_engine.tokenizer.encode("4")
+    finally:
+        server.close()

@@ -6,6 +6,11 @@
 - ``install()``: makes AReaL accept ``rollout.backend: "unsloth:d1"`` and makes ``PPOTrainer``
   build both engines on one shared model (``patches/areal-1.0.4-unsloth-backend.patch`` is the same
   change as a source patch).
+- ``AgentServer`` / ``UnslothAgentWorkflow``: agent workflows (``async def run(data, **extra_kwargs)``
+  with the plain ``openai`` SDK) run against the engine's in-process OpenAI-compatible server, each
+  episode a recorded session; ``PPOTrainer.train(workflow=agent)`` uses them on this backend.
+- ``ArealOpenAI`` on this engine needs neither SGLang nor vLLM: tool calls come from the server's
+  parsers, VLM trajectories carry the engine's pixel values (``openai_compat``).
 
 Example::
 
@@ -22,15 +27,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["ColocatedTrainEngine", "UnslothConfig", "UnslothInferenceEngine", "UnslothPPOActor",
+__all__ = ["AgentServer", "ColocatedTrainEngine", "UnslothAgentWorkflow", "UnslothConfig", "UnslothInferenceEngine", "UnslothPPOActor",
            "UnslothPPOConfig", "install", "is_installed"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .agent_server import AgentServer, UnslothAgentWorkflow
     from .config import UnslothConfig, UnslothPPOConfig
     from .inference_engine import UnslothInferenceEngine
     from .train_engine import ColocatedTrainEngine, UnslothPPOActor
 
 _LAZY = {
+    "AgentServer": ".agent_server",
+    "UnslothAgentWorkflow": ".agent_server",
     "UnslothInferenceEngine": ".inference_engine",
     "ColocatedTrainEngine": ".train_engine",
     "UnslothPPOActor": ".train_engine",

@@ -173,9 +173,10 @@ def _patch_trainer() -> None:
     _wrap(PPOTrainer, "_ensure_proxy_started", ensure_proxy)
 
 
-def _patch_openai() -> None:
+def patch_openai() -> None:
     """ArealOpenAI on an unsloth-only install: the project's tool-call parsers where AReaL finds none,
-    and ``multi_modal_input`` (the engine's own pixel values) in its trajectories."""
+    and ``multi_modal_input`` (the engine's own pixel values) in its trajectories. Idempotent; also run by
+    ``UnslothInferenceEngine.initialize()`` so ArealOpenAI works on the engine without ``install()``."""
     from areal.experimental.openai import client, tool_call_parser, types
 
     from .openai_compat import wrap_process_tool_calls, wrap_to_tensor_dict
@@ -201,7 +202,7 @@ def install() -> None:
     """Make AReaL accept ``backend: "unsloth:d1"`` and PPOTrainer build the colocated engines (idempotent)."""
     with _lock:
         _patch_grammar()
-        _patch_openai()
+        patch_openai()
         if not _patched_source():
             _patch_trainer()
 

@@ -148,6 +148,9 @@ class UnslothInferenceEngine(InferenceEngine):
         """
         if self._initialized:
             return
+        from .backend import patch_openai
+
+        patch_openai()  # ArealOpenAI on this engine: tool calls without sglang/vllm, pixels in VLM trajectories
         self.engine_id = engine_id or uuid.uuid4().hex[:8]
         self.logger = logging.getLogger(f"[UnslothInferenceEngine {self.engine_id}]")
         if self._engine is None:
