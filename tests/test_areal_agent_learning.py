@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -24,6 +25,7 @@ CONFIG = ROOT / "examples" / "shapes_agent" / "tiny_cpu.yaml"
 def _train():
     spec = importlib.util.spec_from_file_location("shapes_agent_train", ROOT / "examples" / "shapes_agent" / "train.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
