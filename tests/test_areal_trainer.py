@@ -119,6 +119,8 @@ _PATCHED_RUN = textwrap.dedent("""
         assert trainer.rollout.policy is trainer.actor.policy and trainer.scheduler is None
         trainer.train(workflow="areal.workflow.vision_rlvr.VisionRLVRWorkflow", workflow_kwargs=wkw)
         assert trainer.rollout.get_version() == 2
+        trainer._ensure_proxy_started()  # agent workflows: no proxy workers (the engine serves them)
+        assert trainer._proxy_started
     config.rollout.backend = "bogus:d1"
     config.scheduler.type = "local"
     try:
