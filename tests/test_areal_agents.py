@@ -44,7 +44,8 @@ TOOLS = [
 ]
 HERMES_TEXT = ('Let me look.\n<tool_call>\n{"name": "count", "arguments": {"color": "red"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "zoom", "arguments": {"region": "top"}}\n</tool_call>')
-THINK_HERMES_TEXT = '<think>red first</think><tool_call>\n{"name": "count", "arguments": {"color": "red"}}\n</tool_call>'
+THINK_HERMES_TEXT = ('<think>red first</think><tool_call>\n{"name": "count", "arguments": {"color": "red"}}\n'
+                     '</tool_call>')
 LLAMA_TEXT = '{"name": "count", "parameters": {"color": "blue"}}; {"name": "zoom", "parameters": {"region": "left"}}'
 
 
@@ -167,7 +168,7 @@ def _two_image_episode(engine, rollout_engine, template: str):
     messages.append({"role": "tool", "tool_call_id": c1.choices[0].message.tool_calls[0].id,
                      "content": [{"type": "image_url", "image_url": {"url": png_data_url(12, 84)}},
                                  {"type": "text", "text": "the top half, zoomed in"}]})
-    c3 = asyncio.run(client.chat.completions.create(messages=messages, tools=TOOLS, max_completion_tokens=12,
+    asyncio.run(client.chat.completions.create(messages=messages, tools=TOOLS, max_completion_tokens=12,
                                                     temperature=1.0))
     client.set_last_reward(1.0)
     return client, [random_image(11, 56), random_image(12, 84)]
@@ -452,9 +453,9 @@ def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(eng
         turn = (seq.prompt.prompt_ids.count(tok.eos_token_id) - 2) // 2
         if turn == 0:
             return tok.encode(_count_call("red"))
-        text = tok.decode(seq.prompt.prompt_ids)
-        n = next(a for s, a in scene_answer.items() if f"<tool_response>\n{env.Scene(s).call('count', {'color': 'red'})}"
-                 in text)
+        text = tok.decode(seq.prompt.prompt_ids)  # which scene: the one whose red count the tool returned
+        n = next(a for s, a in scene_answer.items()
+                 if f"<tool_response>\n{env.Scene(s).call('count', {'color': 'red'})}" in text)
         return tok.encode(str(n))
 
     agent = agent_mod.ShapesAgent(max_tokens=64)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["AgentServer", "ColocatedTrainEngine", "UnslothAgentWorkflow", "UnslothConfig", "UnslothInferenceEngine", "UnslothPPOActor",
-           "UnslothPPOConfig", "install", "is_installed"]
+__all__ = ["AgentServer", "ColocatedTrainEngine", "UnslothAgentWorkflow", "UnslothConfig", "UnslothInferenceEngine",
+           "UnslothPPOActor", "UnslothPPOConfig", "install", "is_installed"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .agent_server import AgentServer, UnslothAgentWorkflow

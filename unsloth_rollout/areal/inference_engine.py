@@ -249,9 +249,9 @@ class UnslothInferenceEngine(InferenceEngine):
 
         ``input_tokens`` is the prompt as the model ran it (``req.input_ids``, with any one-per-image
         placeholder expanded to the image's pad tokens) and, with images, ``multi_modal_input`` holds
-        the engine's own ``pixel_values`` / ``image_grid_thw``; ``output_tokens`` includes the final EOS, ``output_logprobs`` are
-        ``log_softmax(raw_logits / T)`` of the sampled tokens, ``output_versions`` the weight
-        version of each token, ``stop_reason`` is "stop" or "length".
+        the engine's own ``pixel_values`` / ``image_grid_thw``; ``output_tokens`` includes the final
+        EOS, ``output_logprobs`` are ``log_softmax(raw_logits / T)`` of the sampled tokens,
+        ``output_versions`` the weight version of each token, ``stop_reason`` is "stop" or "length".
         """
         gconfig = req.gconfig
         if gconfig.n_samples != 1:
