@@ -528,3 +528,32 @@ def test_streaming_agent_is_recorded_and_subproc_mode_runs(engine, rollout_engin
         assert inter.reward == want and inter.model_response.output_tokens[:-1] == rollout_engine.tokenizer.encode("4")
     finally:
         server.close()
+
+
+def test_session_requests_run_on_the_adapter_the_trainer_serves(rollout_engine, tmp_path):
+    """Without colocation a trainer ships versioned LoRA adapters; a session's requests run on the one the
+    engine serves now, whatever model name the agent sends."""
+    import httpx
+
+    from unsloth_rollout.areal.agent_server import AgentServer
+
+    policy = rollout_engine.policy
+    policy.model.save_pretrained(str(tmp_path / "v1"))
+    rollout_engine.load_lora_adapter("policy-v1", str(tmp_path / "v1"))
+    current = {"name": "policy-v1"}
+    server = AgentServer(rollout_engine, served_adapter=lambda: current["name"])
+    try:
+        session = server.start_session()
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+        r = httpx.post(server.base_url + "/chat/completions", json=body,
+                       headers={"Authorization": f"Bearer {session.key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        current["name"] = "policy-v2"  # not loaded: the request names it, the server refuses
+        r = httpx.post(server.base_url + "/chat/completions", json=body,
+                       headers={"Authorization": f"Bearer {session.key}"}, timeout=60)
+        assert r.status_code == 404 and "policy-v2" in r.json()["error"]["message"]
+        (inter,) = server.end_session(session.key).cache.values()
+    finally:
+        server.close()
+        rollout_engine.unload_lora_adapter("policy-v1")
+    assert inter.completion.model == "policy-v1"

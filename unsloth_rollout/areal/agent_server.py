@@ -66,6 +66,7 @@ class AgentSession:
     started: float = field(default_factory=time.time)
     tokenizer: Any = None
     dropped: int = 0  # completions that finished after the session ended
+    model: str | None = None  # the adapter its requests run on (None: the live policy), set per request
 
     def record(self, req, prep, outs, body: dict) -> None:
         """Store one chat completion as AReaL's proxy does (called by the server before it answers)."""
@@ -107,13 +108,16 @@ class AgentServer:
         tool_call_parser: AReaL's parser name (``agent.tool_call_parser``: qwen, hermes, llama3_json, ...).
         host, port: where to listen (port 0: a free port).
         served_model_name: the name ``/v1/models`` reports (session requests may name any model).
+        served_adapter: ``() -> adapter name | None``: what session requests run on (a trainer in another
+            process that ships versioned LoRA adapters); default None, the live policy (colocated training).
     """
 
     def __init__(self, rollout_engine, *, tool_call_parser: str = "qwen", host: str = "127.0.0.1", port: int = 0,
-                 served_model_name: str = "policy"):
+                 served_model_name: str = "policy", served_adapter=None):
         from ..serve import create_app, serve_in_thread
 
         self.engine = rollout_engine
+        self._served_adapter = served_adapter
         self.app = create_app(rollout_engine, served_model_name=served_model_name,
                               tool_call_parser=project_tool_parser(tool_call_parser))
         self.app.state.server.sessions = self
@@ -153,6 +157,7 @@ class AgentServer:
         if session is None:
             raise APIError("unknown or finished session: this episode has ended (its API key is no longer valid)",
                            401)
+        session.model = self._served_adapter() if self._served_adapter is not None else None
         return session
 
     @property

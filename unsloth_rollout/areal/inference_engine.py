@@ -101,8 +101,11 @@ class UnslothInferenceEngine(InferenceEngine):
                 from .agent_server import AgentServer
 
                 cfg = self.config.agent
-                self._agent_server = AgentServer(self.rollout_engine,
-                                                 tool_call_parser=cfg.tool_call_parser if cfg is not None else "qwen")
+                from areal.api.cli_args import GenerationHyperparameters
+
+                self._agent_server = AgentServer(
+                    self.rollout_engine, tool_call_parser=cfg.tool_call_parser if cfg is not None else "qwen",
+                    served_adapter=lambda: self._served_lora(GenerationHyperparameters()))  # as agenerate picks it
             return self._agent_server
 
     def __init__(self, config: InferenceEngineConfig, policy: PolicyModel | str | None = None, *,

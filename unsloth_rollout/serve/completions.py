@@ -485,7 +485,7 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
     if session is not None:
         if (req.n or 1) != 1:
             raise APIError("n must be 1 in a recorded session (one completion per request)", param="n")
-        req.model = None  # the live policy answers a session, whatever model the agent names (as AReaL's proxy)
+        req.model = session.model  # the trainer's policy answers, whatever model the agent names (as AReaL's proxy)
     await state.wait_gate()
     prep = await prepare_chat(state, req)
     rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
