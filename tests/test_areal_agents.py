@@ -105,7 +105,8 @@ def test_areal_openai_tool_calls_match_the_server(engine, rollout_engine, areal_
 
     from unsloth_rollout.areal.openai_compat import external_parsers_installed
 
-    assert not external_parsers_installed(), "this test is about an install without sglang / vllm"
+    if external_parsers_installed():
+        pytest.skip("this test is about an install without sglang / vllm (AReaL then uses their parsers)")
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(1)}},
                                              {"type": "text", "text": "How many red shapes?"}]}]
     client = ArealOpenAI(engine=engine, tokenizer=rollout_engine.tokenizer, tool_call_parser=areal_parser)
