@@ -408,6 +408,18 @@ class _OverflowsTheContext:
         return 1.0
 
 
+class _Hangs:
+    """One completion, then waits for ever (a stuck tool)."""
+
+    async def run(self, data, **kw):
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw.get("http_client"))
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        await asyncio.sleep(3600)
+        return 1.0
+
+
 class _NoCompletion:
     async def run(self, data, **kw):
         return 1.0
@@ -443,6 +455,7 @@ def _logged(logger):
 
 def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(engine, rollout_engine):
     from unsloth_rollout.areal import agent_server
+    from unsloth_rollout.areal.agent_server import UnslothAgentWorkflow
 
     agent_mod, env = _example()
     data = env.dataset(2, seed=3)
@@ -472,7 +485,9 @@ def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(eng
         for bad, kept, why in ((_RaisesAfterOneCall(), 1, "RuntimeError: the agent's environment crashed"),
                                (_OverflowsTheContext(), 1, "maximum context length is 1024 tokens"),
                                (_BadReward(), 1, "must return a float"),
-                               (_NoCompletion(), 0, "made no chat completion")):
+                               (_NoCompletion(), 0, "made no chat completion"),
+                               (UnslothAgentWorkflow(_Hangs(), lambda: engine.agent_server, timeout_s=2.0), 1,
+                                "ran past 2.0 s")):
             with _logged(agent_server.logger) as logged:
                 out = engine.rollout_batch([{"i": 0}], workflow=bad)
             assert len(out) == kept

@@ -183,10 +183,12 @@ class UnslothAgentWorkflow(RolloutWorkflow):
             "subproc" (``run(data)`` in a worker process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``).
         discount: AReaL's turn discount (reward propagated backwards over the episode's completions).
         export_style: "individual" (each completion one trajectory, as AReaL's default).
+        timeout_s: an episode still running after this long is ended (AReaL's ``agent.session_timeout_seconds``);
+            its completions are kept with reward 0. None: no limit.
     """
 
     def __init__(self, agent: Any, server, *, mode: str = "inline", discount: float = 1.0,
-                 export_style: str = "individual", subproc_max_workers: int = 4):
+                 export_style: str = "individual", subproc_max_workers: int = 4, timeout_s: float | None = None):
         if mode not in ("inline", "subproc"):
             raise ValueError(f"agent.mode: the unsloth backend runs agents 'inline' or 'subproc', got {mode!r}"
                              + (" (online mode needs AReaL's proxy gateway)" if mode == "online" else ""))
@@ -204,6 +206,7 @@ class UnslothAgentWorkflow(RolloutWorkflow):
         self.discount = float(discount)
         self.export_style = export_style
         self.subproc_max_workers = subproc_max_workers
+        self.timeout_s = timeout_s
 
     @property
     def server(self) -> AgentServer:
@@ -253,7 +256,9 @@ class UnslothAgentWorkflow(RolloutWorkflow):
         error: BaseException | None = None
         rewards = None
         try:
-            rewards = await self._run_agent(session, data)
+            rewards = await asyncio.wait_for(self._run_agent(session, data), self.timeout_s)
+        except asyncio.TimeoutError:
+            error = TimeoutError(f"the episode ran past {self.timeout_s} s (agent.session_timeout_seconds)")
         except Exception as exc:  # the agent's own failure ends its episode, not the run
             error = exc
         finally:

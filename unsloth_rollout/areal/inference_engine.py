@@ -90,8 +90,10 @@ class UnslothInferenceEngine(InferenceEngine):
         if agent is None:
             raise NotImplementedError("agent.mode='online' (external users through AReaL's proxy gateway) is not "
                                       "supported by the unsloth backend; pass an agent workflow")
+        timeout = float(cfg.session_timeout_seconds) if cfg.session_timeout_seconds else None
         return UnslothAgentWorkflow(agent, lambda: self.agent_server, mode=cfg.mode, discount=cfg.turn_discount,
-                                    export_style=cfg.export_style, subproc_max_workers=cfg.subproc_max_workers)
+                                    export_style=cfg.export_style, subproc_max_workers=cfg.subproc_max_workers,
+                                    timeout_s=timeout)
 
     @property
     def agent_server(self):
