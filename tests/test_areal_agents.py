@@ -573,3 +573,43 @@ def test_session_requests_run_on_the_adapter_the_trainer_serves(rollout_engine, 
         server.close()
         rollout_engine.unload_lora_adapter("policy-v1")
     assert inter.completion.model == "policy-v1"
+
+
+def test_concat_session_exports_one_trajectory_per_conversation(engine, rollout_engine, policy):
+    """agent.chat_template_type / export_style "concat": each turn continues the previous turn's exact tokens;
+    the episode is one trajectory whose logprobs (3 turns, a picture in turn 1 and a zoomed one from the tool)
+    match a teacher-forced forward over the whole conversation with the processor's pixels."""
+    from unsloth_rollout.areal.agent_server import AgentServer, UnslothAgentWorkflow
+
+    agent_mod, env = _example()
+    scene = env.Scene(9)
+    script = [ZOOM_CALL, _count_call("blue"), f"{scene.answer('blue')}"]
+    server = AgentServer(rollout_engine, chat_template_type="concat")
+    try:
+        with pytest.raises(ValueError, match="chat_template_type 'concat'"):  # an "hf" server cannot export concat
+            _check_concat_needs_concat_server(rollout_engine, agent_mod)
+        wf = UnslothAgentWorkflow(agent_mod.ShapesAgent(max_tokens=64), server, export_style="concat")
+        with _by_turn(rollout_engine, script):
+            out = asyncio.run(wf.arun_episode(engine, {"scene_seed": 9, "color": "blue"}))
+    finally:
+        server.close()
+    (traj,) = [v.to_tensor_dict() for v in out.values()]
+    assert traj["rewards"].tolist() == [1.0]
+    mask = traj["loss_mask"][0].bool()
+    assert int((mask[1:] & ~mask[:-1]).sum()) + int(mask[0]) == 3  # three assistant turns, one sequence
+    images = [scene.image()]
+    zoomed = env.Scene(9)
+    images.append(zoomed.call("zoom", {"region": "top"}))
+    oracle_lp, enc = _oracle(policy, traj, images)
+    assert torch.equal(traj["multi_modal_input"][0]["pixel_values"], enc["pixel_values"])
+    assert (traj["logprobs"][0][mask] - oracle_lp[mask]).abs().max().item() < 1e-5
+
+
+def _check_concat_needs_concat_server(rollout_engine, agent_mod):
+    from unsloth_rollout.areal.agent_server import AgentServer, UnslothAgentWorkflow
+
+    hf = AgentServer(rollout_engine)
+    try:
+        UnslothAgentWorkflow(agent_mod.ShapesAgent(), hf, export_style="concat").server
+    finally:
+        hf.close()

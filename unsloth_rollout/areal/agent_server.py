@@ -14,10 +14,11 @@ workers. Here:
   ``InteractionCache``. Other keys are served unrecorded; a finished session's key is refused (401).
 - ``UnslothAgentWorkflow``: the ``RolloutWorkflow`` AReaL's executor runs per episode: open a session,
   run the agent unchanged, hand its reward to the session's interactions (AReaL's rules: a float goes
-  to the last completion, a dict by id; turn discount), export them (``individual`` style) as the
-  trajectory. An agent that fails (raises, a 400 from the server such as a context overflow, a bad
-  reward) ends only its own episode: its recorded completions are kept with reward 0 and the error
-  is logged; an episode without any completion is rejected (None).
+  to the last completion, a dict by id; turn discount), export them (``individual`` or, with
+  ``chat_template_type: concat``, ``concat`` style) as the trajectory. An agent that fails (raises, a
+  400 from the server such as a context overflow, a bad reward, a timeout) ends only its own episode:
+  its recorded completions are kept with reward 0 and the error is logged; an episode without any
+  completion is rejected (None).
 
 ``UnslothInferenceEngine`` resolves agent workflows to ``UnslothAgentWorkflow`` (``install()`` /
 the source patch keep ``PPOTrainer`` from starting proxy workers), so::
@@ -67,11 +68,36 @@ class AgentSession:
     tokenizer: Any = None
     dropped: int = 0  # completions that finished after the session ended
     model: str | None = None  # the adapter its requests run on (None: the live policy), set per request
+    chat_template_type: str = "hf"  # "concat": each turn continues the earlier turns' exact tokens
 
-    def record(self, req, prep, outs, body: dict) -> None:
+    def prompt_ids_for(self, rid: str, req):
+        """For a "concat" session: ``prompt_ids(messages, tools, kwargs)`` building the prompt as ArealOpenAI's
+        concat mode does (the parent completion's tokens, then the new messages' tokens); None for "hf"."""
+        if self.chat_template_type != "concat":
+            return None
+        from areal.experimental.openai.client import _ensure_message_dict_list, concat_prompt_token_ids_with_parent
+
+        def build(tok_messages, tools, kwargs):
+            interaction = InteractionWithTokenLogpReward(
+                messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="concat")
+            self.cache[rid] = interaction  # finds its parent (the longest recorded prefix of these messages)
+            parent = interaction.parent
+            rest = tok_messages[len(parent.messages) + len(parent.output_message_list):] if parent else tok_messages
+            return concat_prompt_token_ids_with_parent(rest, parent, self.tokenizer, tools=tools,
+                                                       extra_body={"chat_template_kwargs": kwargs})
+
+        return build
+
+    def discard(self, rid: str) -> None:
+        """Forget a request that was not recorded (its placeholder in a concat session)."""
+        inter = self.cache.get(rid)
+        if inter is not None and inter.model_response is None:
+            del self.cache[rid]
+
+    def record(self, rid: str, req, prep, outs, body: dict) -> None:
         """Store one chat completion as AReaL's proxy does (called by the server before it answers)."""
         from areal.experimental.openai.client import _ensure_message_dict_list
-        from openai.types.chat import ChatCompletion, ChatCompletionMessage
+        from openai.types.chat import ChatCompletion
 
         if self.closed:
             self.dropped += 1
@@ -79,9 +105,7 @@ class AgentSession:
             return
         (out,) = outs
         choice = body["choices"][0]
-        msg = choice["message"]
-        message = ChatCompletionMessage(role="assistant", content=msg.get("content"),
-                                        tool_calls=msg.get("tool_calls") or None)
+        completion = ChatCompletion.model_validate(body)
         mm = None
         if out.pixel_values is not None:
             mm = {"pixel_values": out.pixel_values, "image_grid_thw": out.image_grid_thw}
@@ -93,11 +117,16 @@ class AgentSession:
             else "abort",
             tokenizer=self.tokenizer, latency=float(out.metrics.get("latency_s") or 0.0),
             ttft=float(out.metrics.get("ttft_s") or 0.0), multi_modal_input=mm)
-        interaction = InteractionWithTokenLogpReward(
-            messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="hf",
-            model_response=response, completion=ChatCompletion.model_validate(body),
-            output_message_list=[message.model_dump(exclude_none=True)])
-        self.cache[body["id"]] = interaction
+        interaction = self.cache.get(rid)  # concat: created with the prompt
+        if interaction is None:
+            interaction = InteractionWithTokenLogpReward(
+                messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="hf")
+        interaction.model_response = response
+        interaction.completion = completion
+        # The assistant message exactly as the agent's SDK reads it (what it appends to its conversation).
+        interaction.output_message_list = [completion.choices[0].message.model_dump(exclude_none=True)]
+        if rid not in self.cache:
+            self.cache[rid] = interaction
 
 
 class AgentServer:
@@ -110,10 +139,16 @@ class AgentServer:
         served_model_name: the name ``/v1/models`` reports (session requests may name any model).
         served_adapter: ``() -> adapter name | None``: what session requests run on (a trainer in another
             process that ships versioned LoRA adapters); default None, the live policy (colocated training).
+        chat_template_type: AReaL's ``agent.chat_template_type``: "hf" (each request rendered by the chat
+            template) or "concat" (each turn continues the previous turn's exact tokens; needed for the
+            "concat" export style, one trajectory per conversation).
     """
 
     def __init__(self, rollout_engine, *, tool_call_parser: str = "qwen", host: str = "127.0.0.1", port: int = 0,
-                 served_model_name: str = "policy", served_adapter=None):
+                 served_model_name: str = "policy", served_adapter=None, chat_template_type: str = "hf"):
+        if chat_template_type not in ("hf", "concat"):
+            raise ValueError(f"chat_template_type must be 'hf' or 'concat', got {chat_template_type!r}")
+        self.chat_template_type = chat_template_type
         from ..serve import create_app, serve_in_thread
 
         self.engine = rollout_engine
@@ -132,7 +167,8 @@ class AgentServer:
 
     # ------------------------------------------------------------------ sessions
     def start_session(self) -> AgentSession:
-        session = AgentSession(SESSION_KEY_PREFIX + secrets.token_hex(16), tokenizer=self.engine.tokenizer)
+        session = AgentSession(SESSION_KEY_PREFIX + secrets.token_hex(16), tokenizer=self.engine.tokenizer,
+                               chat_template_type=self.chat_template_type)
         with self._lock:
             self._sessions[session.key] = session
         return session
@@ -182,7 +218,8 @@ class UnslothAgentWorkflow(RolloutWorkflow):
         mode: "inline" (``run(data, base_url=..., api_key=..., http_client=...)`` on the rollout loop) or
             "subproc" (``run(data)`` in a worker process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``).
         discount: AReaL's turn discount (reward propagated backwards over the episode's completions).
-        export_style: "individual" (each completion one trajectory, as AReaL's default).
+        export_style: "individual" (each completion one trajectory, as AReaL's default) or "concat" (one per
+            conversation; the server must record with ``chat_template_type="concat"``).
         timeout_s: an episode still running after this long is ended (AReaL's ``agent.session_timeout_seconds``);
             its completions are kept with reward 0. None: no limit.
     """
@@ -192,9 +229,8 @@ class UnslothAgentWorkflow(RolloutWorkflow):
         if mode not in ("inline", "subproc"):
             raise ValueError(f"agent.mode: the unsloth backend runs agents 'inline' or 'subproc', got {mode!r}"
                              + (" (online mode needs AReaL's proxy gateway)" if mode == "online" else ""))
-        if export_style != "individual":
-            raise ValueError(f"agent.export_style: the unsloth agent server records each completion with the "
-                             f"model's chat template ('hf'), so episodes export as 'individual'; got {export_style!r}")
+        if export_style not in ("individual", "concat"):
+            raise ValueError(f"agent.export_style must be 'individual' or 'concat', got {export_style!r}")
         run = getattr(agent, "run", None)
         if run is None or not callable(run):
             raise TypeError(f"Agent must have a callable 'run' method; {type(agent).__name__} has none")
@@ -212,6 +248,9 @@ class UnslothAgentWorkflow(RolloutWorkflow):
     def server(self) -> AgentServer:
         if not isinstance(self._server, AgentServer):
             self._server = self._server()
+        if self.export_style == "concat" and self._server.chat_template_type != "concat":
+            raise ValueError("agent.export_style 'concat' needs agent.chat_template_type 'concat' (each turn "
+                             "recorded as a continuation of the previous turn's tokens)")
         return self._server
 
     async def _run_agent(self, session: AgentSession, data: dict):

@@ -107,7 +107,8 @@ class UnslothInferenceEngine(InferenceEngine):
 
                 self._agent_server = AgentServer(
                     self.rollout_engine, tool_call_parser=cfg.tool_call_parser if cfg is not None else "qwen",
-                    served_adapter=lambda: self._served_lora(GenerationHyperparameters()))  # as agenerate picks it
+                    served_adapter=lambda: self._served_lora(GenerationHyperparameters()),  # as agenerate picks it
+                    chat_template_type=cfg.chat_template_type if cfg is not None else "hf")
             return self._agent_server
 
     def __init__(self, config: InferenceEngineConfig, policy: PolicyModel | str | None = None, *,

@@ -173,7 +173,10 @@ def _expand(ids: list[int], image_token_id, counts: list[int]) -> list[int]:
     return out
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_ids=None) -> Prepared:
+    """``prompt_ids(messages, tools, template_kwargs) -> token ids``: tokens to run instead of the rendered
+    template (a recorded session that continues its earlier turns' exact tokens); image runs in them may be
+    already expanded or single placeholders."""
     engine = state.engine
     lora = state.resolve_model(req.model)
     if req.top_logprobs and not req.logprobs:
@@ -207,9 +210,13 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         raise APIError(str(e), param=e.field) from None
     prefix = forced_prefix(state.tool_parser, choice, tools) if choice == "required" or isinstance(choice, dict) \
         else ""
-    ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
     counts = _image_tokens(state, images)
-    expanded = _expand(ids, getattr(engine.inputs, "image_token_id", None), counts)
+    if prompt_ids is None:
+        ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
+        expanded = _expand(ids, getattr(engine.inputs, "image_token_id", None), counts)
+    else:
+        ids = list(prompt_ids(messages, tools, kwargs)) + state.tokenizer.encode(prefix, add_special_tokens=False)
+        expanded = (engine.inputs._expand_runs(ids, counts) if images else None) or ids
 
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -487,11 +494,16 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
             raise APIError("n must be 1 in a recorded session (one completion per request)", param="n")
         req.model = session.model  # the trainer's policy answers, whatever model the agent names (as AReaL's proxy)
     await state.wait_gate()
-    prep = await prepare_chat(state, req)
     rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+    if session is not None:
+        try:
+            return await _session_chat(state, req, raw, session, rid)
+        finally:
+            session.discard(rid)  # a request that was not recorded (an error, a disconnect) leaves nothing
+    prep = await prepare_chat(state, req)
     state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
     try:
-        if req.stream and session is None:
+        if req.stream:
             stream = EngineStream(state.engine, prep.requests)
             return StreamingResponse(_chat_events(state, req, prep, stream, rid), media_type="text/event-stream",
                                      background=BackgroundTask(stream.close))
@@ -500,11 +512,23 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
         return Response(status_code=499)
     except InvalidRequestError as e:
         raise _engine_error(e, prep) from None
+    return JSONResponse(chat_response(state, req, prep, outs, rid))
+
+
+async def _session_chat(state: ServerState, req: ChatCompletionRequest, raw, session, rid: str) -> Response:
+    """A recorded session's request: run it whole, record it, then answer (a stream is replayed)."""
+    prep = await prepare_chat(state, req, prompt_ids=session.prompt_ids_for(rid, req))
+    state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
+    try:
+        (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise _engine_error(e, prep) from None
     body = chat_response(state, req, prep, outs, rid)
-    if session is not None:
-        session.record(req, prep, outs, body)  # before the agent can see the answer
-        if req.stream:  # recorded whole, then replayed as a stream
-            return StreamingResponse(_replay_chat_events(body, req), media_type="text/event-stream")
+    session.record(rid, req, prep, outs, body)  # before the agent can see the answer
+    if req.stream:
+        return StreamingResponse(_replay_chat_events(body, req), media_type="text/event-stream")
     return JSONResponse(body)
 
 
