@@ -367,19 +367,23 @@ def test_areal_openai_multi_turn_with_image(vlm_engine):
     interactions = client.export_interactions(style="individual")
     assert set(interactions) == {first.id, second.id}
     image_pad = policy.config.image_token_id
+    _, pv, grid = _expand_with_processor(policy, [], 0)
     for cid, inter in interactions.items():
         resp = inter.model_response
-        assert resp.input_images and resp.input_tokens.count(image_pad) == 1  # unexpanded placeholder echoed
+        # The prompt as the model ran it: ArealOpenAI's one placeholder expanded to the image's pad tokens,
+        # and the engine's own pixel values for the trainer (multi_modal_input).
+        assert resp.input_images and resp.input_tokens.count(image_pad) == int(grid[0].prod()) // 4
         assert len(resp.output_logprobs) == len(resp.output_tokens) >= 1
         td = inter.to_tensor_dict()
         assert td["logprobs"].shape == td["input_ids"].shape
         mask = td["loss_mask"][0].bool()
         assert torch.equal(td["logprobs"][0][mask], torch.tensor(resp.output_logprobs, dtype=torch.float32))
+        assert torch.equal(td["multi_modal_input"][0]["pixel_values"], pv)
     # The behaviour logprobs are the model's: check one against a teacher-forced forward with the image.
     inter = interactions[second.id]
     resp = inter.model_response
-    prompt, pv, grid = _expand_with_processor(policy, resp.input_tokens, 0)
-    oracle = teacher_forced_logprobs(policy, prompt, resp.output_tokens, 1.0, pixel_values=pv, image_grid_thw=grid)
+    oracle = teacher_forced_logprobs(policy, resp.input_tokens, resp.output_tokens, 1.0, pixel_values=pv,
+                                     image_grid_thw=grid)
     assert torch.allclose(torch.tensor(resp.output_logprobs), oracle, atol=1e-5, rtol=0)
 
 

@@ -121,6 +121,8 @@ _PATCHED_RUN = textwrap.dedent("""
         assert trainer.rollout.policy is trainer.actor.policy and trainer.scheduler is None
         trainer.train(workflow="areal.workflow.vision_rlvr.VisionRLVRWorkflow", workflow_kwargs=wkw)
         assert trainer.rollout.get_version() == 2
+        trainer._ensure_proxy_started()  # agent workflows: no proxy workers (the engine serves them)
+        assert trainer._proxy_started
     config.rollout.backend = "bogus:d1"
     config.scheduler.type = "local"
     try:
@@ -129,6 +131,22 @@ _PATCHED_RUN = textwrap.dedent("""
         assert "Parsing error" in str(e)
     else:
         raise AssertionError("a bad backend string was accepted")
+    # ArealOpenAI's pieces, patched in the source (no install()): tool calls without sglang/vllm ...
+    from areal.experimental.openai import tool_call_parser, types
+    assert tool_call_parser.UNSLOTH_TOOL_PARSERS and types.UNSLOTH_MULTI_MODAL
+    assert not getattr(tool_call_parser.process_tool_calls, "_unsloth_wrapped", False)
+    calls, text, finish = tool_call_parser.process_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+        [{"type": "function", "function": {"name": "f"}}], "qwen", "qwen3", "stop")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": 1}')] and finish == "tool_calls"
+    # ... and VLM trajectories that carry the engine's pixel values.
+    import torch
+    from unsloth_rollout.areal.openai_compat import UnslothModelResponse
+    pix, grid = torch.rand(16, 12), torch.tensor([[1, 4, 4]])
+    inter = types.InteractionWithTokenLogpReward(model_response=UnslothModelResponse(
+        input_tokens=[1, 2], output_tokens=[3], output_logprobs=[-0.5], output_versions=[0],
+        multi_modal_input={"pixel_values": pix, "image_grid_thw": grid}))
+    assert inter.to_tensor_dict()["multi_modal_input"][0]["pixel_values"] is pix
     print("PATCHED-OK")
 """)
 

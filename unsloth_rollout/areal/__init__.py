@@ -7,6 +7,11 @@
   build both engines on one shared model (``patches/areal-1.0.4-unsloth-backend.patch`` is the same
   change as a source patch); ``"unsloth:dN"`` runs N such processes as data-parallel replicas under
   torchrun / AReaL's SPMD launchers (``distributed.py``, ``launch.py``).
+- ``AgentServer`` / ``UnslothAgentWorkflow``: agent workflows (``async def run(data, **extra_kwargs)``
+  with the plain ``openai`` SDK) run against the engine's in-process OpenAI-compatible server, each
+  episode a recorded session; ``PPOTrainer.train(workflow=agent)`` uses them on this backend.
+- ``ArealOpenAI`` on this engine needs neither SGLang nor vLLM: tool calls come from the server's
+  parsers, VLM trajectories carry the engine's pixel values (``openai_compat``).
 
 Example::
 
@@ -23,15 +28,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["ColocatedTrainEngine", "UnslothConfig", "UnslothInferenceEngine", "UnslothPPOActor",
-           "UnslothPPOConfig", "install", "is_installed"]
+__all__ = ["AgentServer", "ColocatedTrainEngine", "UnslothAgentWorkflow", "UnslothConfig", "UnslothInferenceEngine",
+           "UnslothPPOActor", "UnslothPPOConfig", "install", "is_installed"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .agent_server import AgentServer, UnslothAgentWorkflow
     from .config import UnslothConfig, UnslothPPOConfig
     from .inference_engine import UnslothInferenceEngine
     from .train_engine import ColocatedTrainEngine, UnslothPPOActor
 
 _LAZY = {
+    "AgentServer": ".agent_server",
+    "UnslothAgentWorkflow": ".agent_server",
     "UnslothInferenceEngine": ".inference_engine",
     "ColocatedTrainEngine": ".train_engine",
     "UnslothPPOActor": ".train_engine",

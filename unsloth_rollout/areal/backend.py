@@ -7,7 +7,11 @@
    launchers size an ``allocation_mode: "unsloth:dN"`` job as N trainer processes;
 2. wraps five ``PPOTrainer`` methods so that, when ``rollout.backend`` is unsloth, the trainer builds
    an ``UnslothPPOActor`` (the ColocatedTrainEngine) and ``UnslothInferenceEngine``s on one shared
-   PolicyModel in this process: no scheduler, no RPC workers, no server, LoRA allowed, no offload.
+   PolicyModel in this process: no scheduler, no RPC workers, no server, LoRA allowed, no offload;
+   agent workflows (``async def run(data, **extra_kwargs)``) talk to the engine's in-process
+   OpenAI-compatible server (``agent_server``) instead of AReaL's proxy workers;
+3. makes ``ArealOpenAI`` work without SGLang/vLLM: the project's tool-call parsers where AReaL finds
+   none, and the engine's pixel values in its VLM trajectories (``openai_compat``).
 
 Any other backend takes AReaL's own code path (and gets AReaL's own errors).
 ``patches/areal-1.0.4-unsloth-backend.patch`` makes the same change in AReaL's source; both call the
@@ -198,6 +202,34 @@ def _patch_trainer() -> None:
     _wrap(PPOTrainer, "_save_initial_lora_weights", save_initial_lora)
     _wrap(PPOTrainer, "_validate_cfg", validate)
 
+    def ensure_proxy(orig):
+        def f(self):
+            if uses_unsloth(self):  # agent workflows: the engine serves them in process (agent_server)
+                self._proxy_started = True
+                return None
+            return orig(self)
+        return f
+
+    _wrap(PPOTrainer, "_ensure_proxy_started", ensure_proxy)
+
+
+def patch_openai() -> None:
+    """ArealOpenAI on an unsloth-only install: the project's tool-call parsers where AReaL finds none,
+    and ``multi_modal_input`` (the engine's own pixel values) in its trajectories. Idempotent; also run by
+    ``UnslothInferenceEngine.initialize()`` so ArealOpenAI works on the engine without ``install()``."""
+    from areal.experimental.openai import client, tool_call_parser, types
+
+    from .openai_compat import wrap_process_tool_calls, wrap_to_tensor_dict
+
+    if not getattr(tool_call_parser, "UNSLOTH_TOOL_PARSERS", False):
+        if not getattr(tool_call_parser.process_tool_calls, "_unsloth_wrapped", False):
+            wrapped = wrap_process_tool_calls(tool_call_parser.process_tool_calls)
+            tool_call_parser.process_tool_calls = wrapped
+            client.process_tool_calls = wrapped  # imported by name there
+    cls = types.InteractionWithTokenLogpReward
+    if not getattr(types, "UNSLOTH_MULTI_MODAL", False) and not getattr(cls.to_tensor_dict, "_unsloth_wrapped", False):
+        cls.to_tensor_dict = wrap_to_tensor_dict(cls.to_tensor_dict)
+
 
 def _patched_source() -> bool:
     """True when AReaL's files already carry patches/areal-1.0.4-unsloth-backend.patch."""
@@ -211,6 +243,7 @@ def install() -> None:
     with _lock:
         _patch_grammar()
         _patch_launcher_allocation()
+        patch_openai()
         if not _patched_source():
             _patch_trainer()
 

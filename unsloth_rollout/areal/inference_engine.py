@@ -38,6 +38,7 @@ from areal.utils import logging, name_resolve, names, stats_tracker
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
 from ..models import PolicyModel, load_model
 from ._spec import is_unsloth_backend, parse_unsloth_backend
+from .openai_compat import UnslothModelResponse
 
 logger = logging.getLogger("UnslothInferenceEngine")
 
@@ -67,11 +68,48 @@ class UnslothInferenceEngine(InferenceEngine):
         resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig)))
     """
 
-    # AReaL's own workflow resolution (instance / class / "module.Class" / agent + proxy, group_size
-    # through GroupedRolloutWorkflow); it needs only config, logger and _wrap_openai_agent.
-    _resolve_workflow = RemoteInfEngine._resolve_workflow
     _resolve_should_accept_fn = RemoteInfEngine._resolve_should_accept_fn
-    _wrap_openai_agent = RemoteInfEngine._wrap_openai_agent
+
+    def _resolve_workflow(self, workflow, workflow_kwargs, group_size: int = 1, proxy_addr: str | None = None):
+        """AReaL's own workflow resolution (instance / class / "module.Class", group_size through
+        GroupedRolloutWorkflow); agent workflows (``async def run``) go to this engine's in-process server."""
+        from .agent_server import IN_PROCESS
+
+        return RemoteInfEngine._resolve_workflow(self, workflow, workflow_kwargs, group_size,
+                                                 proxy_addr=proxy_addr or IN_PROCESS)
+
+    def _wrap_openai_agent(self, agent, proxy_addr: str | None = None):
+        """An agent workflow as an ``UnslothAgentWorkflow`` on this engine's ``AgentServer``."""
+        from .agent_server import UnslothAgentWorkflow
+
+        cfg = self.config.agent
+        if cfg is None:
+            from areal.api.cli_args import AgentConfig
+
+            cfg = AgentConfig()
+        if agent is None:
+            raise NotImplementedError("agent.mode='online' (external users through AReaL's proxy gateway) is not "
+                                      "supported by the unsloth backend; pass an agent workflow")
+        timeout = float(cfg.session_timeout_seconds) if cfg.session_timeout_seconds else None
+        return UnslothAgentWorkflow(agent, lambda: self.agent_server, mode=cfg.mode, discount=cfg.turn_discount,
+                                    export_style=cfg.export_style, subproc_max_workers=cfg.subproc_max_workers,
+                                    timeout_s=timeout)
+
+    @property
+    def agent_server(self):
+        """The OpenAI-compatible server agent workflows talk to (started on first use, on 127.0.0.1)."""
+        with self._agent_lock:
+            if self._agent_server is None:
+                from .agent_server import AgentServer
+
+                cfg = self.config.agent
+                from areal.api.cli_args import GenerationHyperparameters
+
+                self._agent_server = AgentServer(
+                    self.rollout_engine, tool_call_parser=cfg.tool_call_parser if cfg is not None else "qwen",
+                    served_adapter=lambda: self._served_lora(GenerationHyperparameters()),  # as agenerate picks it
+                    chat_template_type=cfg.chat_template_type if cfg is not None else "hf")
+            return self._agent_server
 
     def __init__(self, config: InferenceEngineConfig, policy: PolicyModel | str | None = None, *,
                  rollout_engine: RolloutEngine | None = None, load_options: dict | None = None,
@@ -102,6 +140,8 @@ class UnslothInferenceEngine(InferenceEngine):
         self._initialized = False
         self._proxy_gateway_addr: str | None = None
         self._colocated_train_engine = None  # set by ColocatedTrainEngine.connect_engine
+        self._agent_server = None  # started by the first agent workflow
+        self._agent_lock = threading.Lock()
         self._warned: set[str] = set()
         self.logger = logger
 
@@ -114,6 +154,9 @@ class UnslothInferenceEngine(InferenceEngine):
         """
         if self._initialized:
             return
+        from .backend import patch_openai
+
+        patch_openai()  # ArealOpenAI on this engine: tool calls without sglang/vllm, pixels in VLM trajectories
         self.engine_id = engine_id or uuid.uuid4().hex[:8]
         self.logger = logging.getLogger(f"[UnslothInferenceEngine {self.engine_id}]")
         if self._engine is None:
@@ -139,6 +182,9 @@ class UnslothInferenceEngine(InferenceEngine):
         if self._workflow_executor is not None:
             self._workflow_executor.destroy()
             self._workflow_executor = None
+        if self._agent_server is not None:
+            self._agent_server.close()
+            self._agent_server = None
         if self._engine is not None and self._owns_engine:
             self._engine.shutdown()
 
@@ -207,10 +253,11 @@ class UnslothInferenceEngine(InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample, following ``RemoteInfEngine.agenerate``'s contract.
 
-        ``input_tokens`` echoes ``req.input_ids`` (expanded image pads or one placeholder per
-        image: both work), ``output_tokens`` includes the final EOS, ``output_logprobs`` are
-        ``log_softmax(raw_logits / T)`` of the sampled tokens, ``output_versions`` the weight
-        version of each token, ``stop_reason`` is "stop" or "length".
+        ``input_tokens`` is the prompt as the model ran it (``req.input_ids``, with any one-per-image
+        placeholder expanded to the image's pad tokens) and, with images, ``multi_modal_input`` holds
+        the engine's own ``pixel_values`` / ``image_grid_thw``; ``output_tokens`` includes the final
+        EOS, ``output_logprobs`` are ``log_softmax(raw_logits / T)`` of the sampled tokens,
+        ``output_versions`` the weight version of each token, ``stop_reason`` is "stop" or "length".
         """
         gconfig = req.gconfig
         if gconfig.n_samples != 1:
@@ -233,6 +280,7 @@ class UnslothInferenceEngine(InferenceEngine):
         versions: list[int] = []
         ttft = None
         stop_reason = None
+        first = None
         # An "abort" without error (someone aborted in-flight requests) keeps the tokens and continues,
         # as the remote engines do; pause_generation() itself keeps sequences in place.
         while stop_reason not in ("stop", "length") and len(tokens) < max_new_tokens:
@@ -244,6 +292,8 @@ class UnslothInferenceEngine(InferenceEngine):
                 raise RuntimeError(f"unsloth rollout engine failed request {req.rid}: {out.error}")
             if ttft is None and out.metrics.get("ttft_s") is not None:
                 ttft = float(out.metrics["ttft_s"])
+            if first is None:
+                first = out
             tokens += out.output_ids
             logprobs += [float(x) for x in out.output_logprobs]
             versions += [int(v) for v in out.output_versions]
@@ -253,8 +303,16 @@ class UnslothInferenceEngine(InferenceEngine):
         if stop_reason not in ("stop", "length"):
             stop_reason = "length"
         latency = time.perf_counter() - start
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
+        mm = None
+        input_tokens = list(req.input_ids)
+        if first is not None and first.pixel_values is not None:
+            # The prompt as the model ran it (placeholders expanded) and the exact pixels it saw: what the
+            # trainer needs to recompute these logprobs (ArealOpenAI sends one placeholder per image).
+            input_tokens = list(first.prompt_ids)
+            mm = {"pixel_values": first.pixel_values, "image_grid_thw": first.image_grid_thw}
+        return UnslothModelResponse(
+            multi_modal_input=mm,
+            input_tokens=input_tokens,
             input_images=req.image_data if req.image_data is not None else [],
             output_tokens=tokens,
             output_logprobs=logprobs,

@@ -327,7 +327,38 @@ class InputPreparer:
                 else:
                     expanded.append(t)
         else:
-            raise InvalidRequestError(
-                "input_ids", f"input_ids has {n_placeholders} image tokens; for {len(pil)} image(s) expected "
-                f"{len(pil)} placeholder(s) or {total} expanded tokens")
+            expanded = self._expand_runs(ids, per_image)
+            if expanded is None:
+                raise InvalidRequestError(
+                    "input_ids", f"input_ids has {n_placeholders} image tokens; for {len(pil)} image(s) expected "
+                    f"{len(pil)} placeholder(s) or {total} expanded tokens (or, per image, one or its "
+                    f"{per_image} tokens)")
         return PreparedPrompt(expanded, enc["pixel_values"], grid, tuple(image_hash(im) for im in pil))
+
+    def _expand_runs(self, ids: list[int], per_image: list[int]) -> list[int] | None:
+        """Expand each image's run of image tokens that is a single placeholder; runs already expanded stay.
+
+        Multi-turn prompts built from an earlier turn's (expanded) tokens plus a new turn's text carry
+        both kinds. None when the runs do not match the images one to one.
+        """
+        tok = self.image_token_id
+        runs: list[tuple[int, int]] = []  # (start, length)
+        i = 0
+        while i < len(ids):
+            if ids[i] == tok:
+                j = i
+                while j < len(ids) and ids[j] == tok:
+                    j += 1
+                runs.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        if len(runs) != len(per_image) or any(n not in (1, want) for (_, n), want in zip(runs, per_image)):
+            return None
+        out, prev = [], 0
+        for (start, n), want in zip(runs, per_image):
+            out.extend(ids[prev:start])
+            out.extend([tok] * want)
+            prev = start + n
+        out.extend(ids[prev:])
+        return out

@@ -57,7 +57,9 @@ class GenerationOutput:
     "stop" (EOS, stop id or stop string; an EOS or stop id stays in ``output_ids``), "length" or "abort".
     ``stop_reason`` is the matched stop string or token id, when there is one. ``error`` is set when the
     request was rejected or failed (then ``finish_reason`` is "abort"; a non-finite logprob fails the sample
-    with an error starting "NonFiniteLogprob" rather than being returned).
+    with an error starting "NonFiniteLogprob" rather than being returned). ``prompt_ids`` has every image
+    placeholder expanded; ``pixel_values`` / ``image_grid_thw`` are what the model saw for its images (None
+    without).
     """
 
     request_id: str
@@ -73,6 +75,9 @@ class GenerationOutput:
     error: str | None = None
     sample_index: int = 0
     output_kv_versions: list[int] = field(default_factory=list)
+    # The vision inputs the prompt ran with (VLM requests with images): the exact tensors, for trainers.
+    pixel_values: Any = None
+    image_grid_thw: Any = None
 
     @property
     def finished(self) -> bool:

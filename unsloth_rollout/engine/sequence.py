@@ -122,4 +122,5 @@ class Sequence:
             output_kv_versions=list(self.output_kv_versions),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
-            error=self.error, sample_index=self.sample_index)
+            error=self.error, sample_index=self.sample_index, pixel_values=self.prompt.pixel_values,
+            image_grid_thw=self.prompt.image_grid_thw)

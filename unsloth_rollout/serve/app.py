@@ -101,10 +101,12 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
     return app
 
 
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+                    **uvicorn_options):
     """Run ``app`` with uvicorn in a daemon thread: a training process serving its live policy over HTTP.
 
     Returns the ``uvicorn.Server`` once it accepts connections; ``server.should_exit = True`` stops it.
+    ``uvicorn_options`` go to ``uvicorn.Config`` (e.g. ``timeout_keep_alive``).
 
     Example::
 
@@ -116,7 +118,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_options))
     thread = threading.Thread(target=server.run, name="unsloth-rollout-serve", daemon=True)
     thread.start()
     while not server.started:

@@ -158,7 +158,10 @@ def prepare_prompt(state: ServerState, greq: GenerationRequest, param: str) -> l
     return greq.prepared.prompt_ids
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_ids=None) -> Prepared:
+    """``prompt_ids(messages, tools, template_kwargs) -> token ids``: tokens to run instead of the rendered
+    template (a recorded session that continues its earlier turns' exact tokens); image runs in them may be
+    already expanded or single placeholders."""
     engine = state.engine
     lora = state.adapter_for(req.model)
     if req.top_logprobs and not req.logprobs:
@@ -192,7 +195,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         raise APIError(str(e), param=e.field) from None
     prefix = forced_prefix(state.tool_parser, choice, tools) if choice == "required" or isinstance(choice, dict) \
         else ""
-    ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
+    if prompt_ids is None:
+        ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
+    else:  # a recorded session continues its earlier turns' exact tokens (image runs expanded or not)
+        ids = list(prompt_ids(messages, tools, kwargs)) + state.tokenizer.encode(prefix, add_special_tokens=False)
     greq = GenerationRequest(input_ids=ids, images=images or None, request_id=uuid.uuid4().hex, lora_name=lora)
     expanded = prepare_prompt(state, greq, "messages")
 
@@ -460,9 +466,19 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
     state.counters[("requests", "chat")] += 1
     if req.stream_options and not req.stream:
         raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    session = state.sessions.lookup(raw) if state.sessions is not None else None
+    if session is not None:
+        if (req.n or 1) != 1:
+            raise APIError("n must be 1 in a recorded session (one completion per request)", param="n")
+        req.model = session.model  # the trainer's policy answers, whatever model the agent names (as AReaL's proxy)
     await state.wait_gate()
-    prep = await prepare_chat(state, req)
     rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+    if session is not None:
+        try:
+            return await _session_chat(state, req, raw, session, rid)
+        finally:
+            session.discard(rid)  # a request that was not recorded (an error, a disconnect) leaves nothing
+    prep = await prepare_chat(state, req)
     state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
     try:
         if req.stream:
@@ -475,6 +491,44 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
     except InvalidRequestError as e:
         raise _engine_error(e, prep) from None
     return JSONResponse(chat_response(state, req, prep, outs, rid))
+
+
+async def _session_chat(state: ServerState, req: ChatCompletionRequest, raw, session, rid: str) -> Response:
+    """A recorded session's request: run it whole, record it, then answer (a stream is replayed)."""
+    prep = await prepare_chat(state, req, prompt_ids=session.prompt_ids_for(rid, req))
+    state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
+    try:
+        (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise _engine_error(e, prep) from None
+    body = chat_response(state, req, prep, outs, rid)
+    session.record(rid, req, prep, outs, body)  # before the agent can see the answer
+    if req.stream:
+        return StreamingResponse(_replay_chat_events(body, req), media_type="text/event-stream")
+    return JSONResponse(body)
+
+
+async def _replay_chat_events(body: dict, req: ChatCompletionRequest):
+    """A finished chat completion as SSE chunks (role, content, tool calls, finish, usage, [DONE])."""
+    head = {k: body[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for choice in body["choices"]:
+        msg, i = choice["message"], choice["index"]
+        deltas = [{"role": "assistant", "content": ""}]
+        if msg.get("content"):
+            deltas.append({"content": msg["content"]})
+        if msg.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": j, **c} for j, c in enumerate(msg["tool_calls"])]})
+        for d in deltas:
+            yield _sse({**head, "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                         "finish_reason": choice["finish_reason"],
+                                         "stop_reason": choice.get("stop_reason")}]})
+    if req.stream_options and req.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": body["usage"]})
+    yield "data: [DONE]\n\n"
 
 
 async def completions(state: ServerState, req: CompletionRequest, raw) -> Response:

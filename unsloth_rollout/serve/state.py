@@ -48,6 +48,9 @@ class ServerState:
         self.sleeping = False
         self._token_strs: dict[int, str] = {}
         self._gate: asyncio.Event | None = None  # cleared by /pause?mode=wait: new requests wait
+        # Recorded sessions (a trainer's agent episodes, unsloth_rollout.areal.agent_server): an object with
+        # ``lookup(raw_request) -> session | None``; a session has ``record(req, prep, outs, body)``.
+        self.sessions = None
 
     @property
     def model_name(self) -> str:
