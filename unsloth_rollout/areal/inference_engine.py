@@ -134,12 +134,13 @@ class UnslothInferenceEngine(InferenceEngine):
         self._seed = seed
         self._engine: RolloutEngine | None = rollout_engine
         self._owns_engine = rollout_engine is None
-        self._version = rollout_engine.version if rollout_engine is not None else 0
+        # The version before the RolloutEngine exists (it is built lazily); afterwards the engine's own counter.
+        self._pending_version = rollout_engine.version if rollout_engine is not None else 0
         self._version_lock = threading.Lock()
         self._workflow_executor: WorkflowExecutor | None = None
         self._initialized = False
         self._proxy_gateway_addr: str | None = None
-        self._colocated_train_engine = None  # set by ColocatedTrainEngine.connect_engine
+        self._colocated_train_engine = None  # set by attach_trainer (ColocatedTrainEngine.connect_engine)
         self._agent_server = None  # started by the first agent workflow
         self._agent_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -164,6 +165,7 @@ class UnslothInferenceEngine(InferenceEngine):
             if not isinstance(policy, PolicyModel):
                 policy = load_model(os.fspath(policy), **self._load_options)
             self._engine = RolloutEngine(policy, EngineConfig(**self._engine_options), seed=self._seed)
+            self._engine.set_version(self._pending_version)  # a version set before initialize()
         if train_data_parallel_size is None:
             train_data_parallel_size = self._dp_from_backend()
         self._workflow_executor = WorkflowExecutor(config=self.config, inference_engine=self)
@@ -328,14 +330,20 @@ class UnslothInferenceEngine(InferenceEngine):
     def set_version(self, version: int) -> None:
         """Stamp later tokens with ``version``, and wake AReaL's dispatcher so staleness capacity is re-read."""
         with self._version_lock:
-            self._version = int(version)
-        if self._engine is not None and self._engine.version != int(version):
-            self._engine.set_version(int(version))
+            if self._engine is None:
+                self._pending_version = int(version)
+            else:
+                self._engine.set_version(int(version))
         self._wake_dispatcher()
 
     def get_version(self) -> int:
         with self._version_lock:
-            return self._version
+            return self._engine.version if self._engine is not None else self._pending_version
+
+    def attach_trainer(self, train_engine) -> None:
+        """The colocated train engine that trains this engine's very PolicyModel (its update_weights is a
+        version bump); called by ``ColocatedTrainEngine.connect_engine``."""
+        self._colocated_train_engine = train_engine
 
     def _wake_dispatcher(self) -> None:
         # The producer thread waits on an un-timed condition that set_version() alone never notifies.

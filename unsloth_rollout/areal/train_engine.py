@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from contextlib import nullcontext
@@ -355,15 +356,9 @@ class ColocatedTrainEngine(TrainEngine):
         trajs = input_ if isinstance(input_, list) else None
         batch = self._as_batch(input_)
         outs = []
-        with self.policy.lock:
-            was_training = self.policy.is_training
-            switch = self.policy.inference() if was_training else None
-            try:
-                for mb in _row_chunks(batch, self._num_chunks(batch)):
-                    outs.append(self._logprobs(mb)[0])
-            finally:
-                if switch is not None:
-                    switch.__exit__(None, None, None)
+        with self.policy.lock, self._scoring_mode():
+            for mb in _row_chunks(batch, self._num_chunks(batch)):
+                outs.append(self._logprobs(mb)[0])
         out = torch.cat(outs, 0)
         if trajs is None:
             return out
@@ -429,16 +424,16 @@ class ColocatedTrainEngine(TrainEngine):
         stats["loss"] = float(loss)
         return stats
 
+    def _scoring_mode(self):
+        """Inference mode for a no-grad forward, restoring the trainer's mode afterwards (a no-op when the policy
+        is already in inference mode)."""
+        return self.policy.inference() if self.policy.is_training else contextlib.nullcontext()
+
     @torch.no_grad()
     def eval_batch(self, input_, loss_fn, loss_weight_fn) -> torch.Tensor | None:
         batch = self._as_batch(input_)
-        with self.policy.lock:
-            switch = self.policy.inference() if self.policy.is_training else None
-            try:
-                return self._run_loss(batch, loss_fn, loss_weight_fn, backward=False)
-            finally:
-                if switch is not None:
-                    switch.__exit__(None, None, None)
+        with self.policy.lock, self._scoring_mode():
+            return self._run_loss(batch, loss_fn, loss_weight_fn, backward=False)
 
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False) -> None:
         for item in mb_list:
@@ -477,7 +472,7 @@ class ColocatedTrainEngine(TrainEngine):
         self.weight_update_meta = meta
         self._colocated = getattr(engine, "policy", None) is self.policy if self.policy is not None else False
         if self._colocated:
-            engine._colocated_train_engine = self
+            engine.attach_trainer(self)
 
     def update_weights(self, meta: WeightUpdateMeta):
         """Colocated: stamp the new version on the engine and drop KV computed by the old weights (the
