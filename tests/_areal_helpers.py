@@ -71,8 +71,8 @@ class ForcedOutput:
         return res
 
     def __enter__(self):
-        self.engine.sampler = self
+        self.engine.core.sampler = self  # the core samples each step
         return self
 
     def __exit__(self, *exc):
-        self.engine.sampler = self.inner
+        self.engine.core.sampler = self.inner
