@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu/device_check.sh [--dry-run] VARIANT [VARIANT ...]
 #   bash benchmarks/gpu/device_check.sh --fetch-wheels      (on a machine with PyPI: fill benchmarks/gpu/wheels/)
 #
-# Variants (each one command; its steps have time limits adding up to 8 minutes at most, so a call with
-# timeout_s 540 always returns what it measured):
+# Variants (each one command; its steps' time limits add up to 510 s at most, so a call allowed 560 s returns
+# what was measured even when a step hangs):
 #   probe  environment, paged decode-attention probe (probe_varlen.py), tests/test_gpu.py
 #   bf16   random-weight Qwen2.5-VL-3B, LoRA r=16 on vision + language layers, bf16:
 #          GRPO 64 prompts x 8 samples, one image each: engine vs hf-batched; decode tok/s at batch 1/64/256
@@ -18,6 +18,9 @@
 # Results go to $OUT (default benchmarks/gpu/out): env.txt, one log per variant (VARIANT.log) and one JSON per
 # measurement, at most four files per variant (the device returns at most 8 files per call). Model folders
 # are built under $MODELS (default /tmp/models) the first time a variant needs them.
+#
+# Smaller runs, e.g. a smoke test of the script itself on CPU:
+#   SIZE=tiny PROMPTS=2 MAX_NEW=8 BATCHES=1,4 bash benchmarks/gpu/device_check.sh bf16
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -26,6 +29,10 @@ WHEELS=$HERE/wheels
 OUT=${OUT:-$HERE/out}
 MODELS=${MODELS:-/tmp/models}
 PY=${PYTHON:-python3}
+SIZE=${SIZE:-3b}          # model dimensions (unsloth_rollout.testing.tiny sizes)
+PROMPTS=${PROMPTS:-64}    # GRPO prompts (x 8 samples each)
+MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
+BATCHES=${BATCHES:-1,64,256}
 CARRY_LIMIT=$((64 << 20))
 # Wheels the device lacks (it has torch, transformers, peft, accelerate, triton, torchvision, pillow, pytest).
 # bitsandbytes: 4-bit weights (43 MB; one CUDA library in it is used). xformers: paged decode fallback (3 MB).
@@ -35,7 +42,7 @@ PIP_DOWNLOAD=(pip download --no-deps --python-version 3.12 --platform manylinux2
 
 # GRPO workload: 64 prompts x 8 samples, an image on every prompt; hf-batched runs 16 groups (128 rows)
 # per generate() call so that it finishes inside the variant's budget.
-GRPO_ARGS="--workload grpo --prompts 64 --group 8 --max-new-tokens 128 --lora-rank 16 --hf-batch-groups 16
+GRPO_ARGS="--workload grpo --prompts $PROMPTS --group 8 --max-new-tokens $MAX_NEW --lora-rank 16 --hf-batch-groups 16
   --drift-samples 16 --kv-cache-memory-bytes 16GiB --no-progress"
 
 DRY=0
@@ -93,8 +100,9 @@ install_wheels() {  # the carried wheels, offline; pip reports what it could not
 
 build_model() {  # build_model ARCH: random weights at Qwen2.5(-VL)-3B's real dimensions, bf16, once per machine
   local arch=$1
-  if [ $DRY = 0 ] && [ -f "$MODELS/${arch}-3b/unsloth_rollout_tiny.json" ]; then return 0; fi
-  step "build_${arch}_3b" 120 "$PY" -m unsloth_rollout.testing.tiny --arch "$arch" --size 3b --out "$MODELS/${arch}-3b"
+  if [ $DRY = 0 ] && [ -f "$MODELS/${arch}-$SIZE/unsloth_rollout_tiny.json" ]; then return 0; fi
+  step "build_${arch}_$SIZE" 120 "$PY" -m unsloth_rollout.testing.tiny --arch "$arch" --size "$SIZE" \
+    --out "$MODELS/${arch}-$SIZE"
 }
 
 bench() {  # bench NAME MODEL_DIR BACKENDS [EXTRA ARGS]
@@ -131,22 +139,22 @@ for v in "${VARIANTS[@]}"; do
     bf16)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
       build_model qwen2_5_vl
-      bench bench_q3b_vl_bf16 "$MODELS/qwen2_5_vl-3b" engine,hf-batched --dtype bfloat16
-      step decode_q3b_vl_bf16 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-3b" --dtype bfloat16 \
-        --batches 1,64,256 --json "$OUT/decode_q3b_vl_bf16.json"
+      bench bench_vl_${SIZE}_bf16 "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16
+      step decode_vl_${SIZE}_bf16 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
+        --batches "$BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
       ;;
     4bit)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + wheels) of $CARRY_LIMIT"
       install_wheels
       build_model qwen2_5_vl
-      bench bench_q3b_vl_4bit "$MODELS/qwen2_5_vl-3b" engine,hf-batched --dtype bfloat16 --load-in-4bit
-      step decode_q3b_vl_4bit 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-3b" --dtype bfloat16 \
-        --load-in-4bit --batches 1,64,256 --json "$OUT/decode_q3b_vl_4bit.json"
+      bench bench_vl_${SIZE}_4bit "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16 --load-in-4bit
+      step decode_vl_${SIZE}_4bit 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
+        --load-in-4bit --batches "$BATCHES" --json "$OUT/decode_vl_${SIZE}_4bit.json"
       ;;
     text)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
       build_model qwen2
-      bench bench_q3b_text_bf16 "$MODELS/qwen2-3b" engine,hf-batched,transformers-cb --dtype bfloat16
+      bench bench_text_${SIZE}_bf16 "$MODELS/qwen2-$SIZE" engine,hf-batched,transformers-cb --dtype bfloat16
       ;;
   esac
   [ $DRY = 1 ] && echo "  worst case (sum of step limits): ${BUDGET}s"
