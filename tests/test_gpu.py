@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import perturb_lora, teacher_forced_logprobs
-from test_engine_parity import make_requests
+from test_engine_parity import hf_greedy, make_requests
 from unsloth_rollout import EngineConfig, RolloutEngine, SamplingParams, load_model
 
 pytestmark = [
@@ -73,23 +73,6 @@ def run_engine(policy, reqs):
         engine.shutdown()
 
 
-def hf_greedy(policy, engine, req):
-    """HF generate() on the processor's own encoding of the request, inputs on the model's device."""
-    if policy.is_vlm:
-        text = policy.processor.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-        inputs = policy.processor(text=[text], images=req.images or None, return_tensors="pt")
-    else:
-        inputs = {"input_ids": torch.tensor([req.input_ids])}
-    inputs = {k: v.to(policy.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].to(policy.dtype)
-    policy.clear_rope_deltas()
-    with torch.no_grad():
-        out = policy.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False,
-                                    suppress_tokens=engine.sampler.suppress_ids or None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 def forward_logprobs(policy, engine, req, out):
     """The trainer's view: (logprobs of the output tokens, raw logits) from one teacher-forced forward."""
     prompt = engine.inputs.prepare(req)
@@ -103,7 +86,7 @@ def check_fp32_parity(path, device="cuda"):
     engine, outs = run_engine(policy, reqs)
     worst = 0.0
     for req, out in zip(reqs, outs):
-        assert out.output_ids == hf_greedy(policy, engine, req), f"request {req.request_id}"
+        assert out.output_ids == hf_greedy(policy, engine, req, MAX_NEW)[1], f"request {req.request_id}"
         ref, _ = forward_logprobs(policy, engine, req, out)
         worst = max(worst, (torch.tensor(out.output_logprobs) - ref).abs().max().item())
     assert worst <= FP32_TOL, f"fp32 logprobs differ from the teacher-forced forward by {worst:.2e}"

@@ -28,6 +28,7 @@ import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.bench.harness import _perturb_lora, copy_bandwidth_gbs, machine_info, text_weights
+from unsloth_rollout.engine.config import parse_bytes
 from unsloth_rollout.engine.runner import _text_dims
 
 NOMINAL_HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured about this (read + write)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=16, help="0 = no LoRA")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--load-in-4bit", action="store_true")
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=16 << 30)
+    ap.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=16 << 30, help="e.g. 16GiB")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 

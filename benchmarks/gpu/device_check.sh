@@ -20,7 +20,7 @@
 # are built under $MODELS (default /tmp/models) the first time a variant needs them.
 #
 # Smaller runs, e.g. a smoke test of the script itself on CPU:
-#   SIZE=tiny PROMPTS=2 MAX_NEW=8 BATCHES=1,4 bash benchmarks/gpu/device_check.sh bf16
+#   SIZE=tiny PROMPTS=2 MAX_NEW=8 BATCHES=1,4 KV=64MiB bash benchmarks/gpu/device_check.sh bf16
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -33,6 +33,7 @@ SIZE=${SIZE:-3b}          # model dimensions (unsloth_rollout.testing.tiny sizes
 PROMPTS=${PROMPTS:-64}    # GRPO prompts (x 8 samples each)
 MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
+KV=${KV:-16GiB}           # engine KV cache budget
 CARRY_LIMIT=$((64 << 20))
 # Wheels the device lacks (it has torch, transformers, peft, accelerate, triton, torchvision, pillow, pytest).
 # bitsandbytes: 4-bit weights (43 MB; one CUDA library in it is used). xformers: paged decode fallback (3 MB).
@@ -43,7 +44,7 @@ PIP_DOWNLOAD=(pip download --no-deps --python-version 3.12 --platform manylinux2
 # GRPO workload: 64 prompts x 8 samples, an image on every prompt; hf-batched runs 16 groups (128 rows)
 # per generate() call so that it finishes inside the variant's budget.
 GRPO_ARGS="--workload grpo --prompts $PROMPTS --group 8 --max-new-tokens $MAX_NEW --lora-rank 16 --hf-batch-groups 16
-  --drift-samples 16 --kv-cache-memory-bytes 16GiB --no-progress"
+  --drift-samples 16 --kv-cache-memory-bytes $KV --no-progress"
 
 DRY=0
 VARIANTS=()
@@ -141,7 +142,7 @@ for v in "${VARIANTS[@]}"; do
       build_model qwen2_5_vl
       bench bench_vl_${SIZE}_bf16 "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16
       step decode_vl_${SIZE}_bf16 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
-        --batches "$BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
+        --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --json "$OUT/decode_vl_${SIZE}_bf16.json"
       ;;
     4bit)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + wheels) of $CARRY_LIMIT"
@@ -149,7 +150,7 @@ for v in "${VARIANTS[@]}"; do
       build_model qwen2_5_vl
       bench bench_vl_${SIZE}_4bit "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16 --load-in-4bit
       step decode_vl_${SIZE}_4bit 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
-        --load-in-4bit --batches "$BATCHES" --json "$OUT/decode_vl_${SIZE}_4bit.json"
+        --load-in-4bit --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --json "$OUT/decode_vl_${SIZE}_4bit.json"
       ;;
     text)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
