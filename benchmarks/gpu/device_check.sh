@@ -56,13 +56,13 @@ for a in "$@"; do
       "${PIP_DOWNLOAD[@]}" "${WHEEL_SPECS[@]}"
       ls -l "$WHEELS"; exit 0 ;;
     probe|bf16|4bit|text) VARIANTS+=("$a") ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (variants: probe bf16 4bit text; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
   esac
 done
 [ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text" >&2; exit 2; }
 
-# step NAME SECONDS CMD...: run CMD under a time limit, its output to $OUT/NAME.log; a failure is recorded
+# step NAME SECONDS CMD...: run CMD under a time limit, its output appended to $OUT/VARIANT.log; a failure is recorded
 # and the next step still runs (each step's figures are worth keeping on their own).
 FAILED=()
 step() {
