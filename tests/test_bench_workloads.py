@@ -91,6 +91,30 @@ def test_padded_generate_honours_row_budgets(vlm):
         assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) <= 1e-4
 
 
+def test_padded_generate_never_samples_vision_tokens(vlm):
+    """hf-batched suppresses the ids the engine suppresses (image pads, vision markers): with the image pad
+    made the likeliest token, it is still never sampled, the logprobs stay the raw distribution's, and the
+    trainer's forward over prompt + output still runs (a sampled pad would not match the image features)."""
+    from unsloth_rollout.engine.inputs import InputPreparer
+
+    pad = vlm.config.image_token_id
+    wl = build_workload(vlm, "grpo", prompts=1, group=2, max_new_tokens=6, seed=5, ignore_eos=True)
+    hook = vlm.base_model.lm_head.register_forward_hook(lambda m, i, out: out.index_add(
+        -1, torch.tensor([pad]), torch.full((*out.shape[:-1], 1), 30.0)))
+    try:
+        torch.manual_seed(0)
+        samples, _ = hf_generate(BenchContext(vlm, wl, lora_rank=0), wl.requests)
+        suppressed = set(InputPreparer(vlm).vision_token_ids())
+        assert pad in suppressed
+        for s, r in zip(samples, wl.requests):
+            assert len(s.output_ids) == r.max_new_tokens and not suppressed & set(s.output_ids), s.output_ids
+            assert max(s.logprobs) < -20  # raw logprobs: the pad took nearly all the mass
+            ref = teacher_forced_logprobs(vlm, wl, r, s.output_ids)
+            assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) <= 1e-4
+    finally:
+        hook.remove()
+
+
 def test_drift_check_detects_a_wrong_logprob(lm):
     wl = build_workload(lm, "grpo", prompts=1, group=2, max_new_tokens=4, seed=0)
     r = wl.requests[0]

@@ -41,6 +41,9 @@ def hf_greedy(policy, engine, req, max_new):
         inputs = policy.processor(text=[text], images=req.images or None, return_tensors="pt")
     else:
         inputs = {"input_ids": torch.tensor([req.input_ids])}
+    inputs = {k: v.to(policy.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(policy.dtype)
     policy.clear_rope_deltas()
     out = policy.model.generate(**inputs, max_new_tokens=max_new, do_sample=False,
                                 suppress_tokens=engine.sampler.suppress_ids or None)

@@ -170,6 +170,17 @@ def test_4bit_path_runs_on_cpu_with_engine_parity(qwen2_dir):
     assert out.output_ids == ref.tolist()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_4bit_vlm_keeps_vision_tower_and_lm_head_in_full_precision(qwen2_5_vl_dir):
+    """Only the language model's linear layers are quantized (the loader's skip list must match
+    transformers 5's module paths, e.g. model.visual.blocks.0.attn.qkv)."""
+    policy = load_model(qwen2_5_vl_dir, backend="transformers", load_in_4bit=True, dtype=torch.float32)
+    quantized = [n for n, m in policy.model.named_modules() if type(m).__name__ == "Linear4bit"]
+    assert quantized and all(".language_model." in n for n in quantized), quantized
+    assert policy.model.lm_head.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in policy.model.model.visual.parameters())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth extra not installed")
 def test_unsloth_backend_on_a_text_model(qwen2_dir):
     """Unsloth patches transformers globally on import, so this runs in its own process."""

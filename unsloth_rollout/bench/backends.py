@@ -28,6 +28,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from ..engine.inputs import InputPreparer
 from .workloads import BenchRequest, Workload, image_inputs
 
 
@@ -205,6 +206,10 @@ def hf_generate(ctx: BenchContext, rows: list[BenchRequest]) -> tuple[list[Sampl
         kwargs.update(pixel_values=pv.to(dev, policy.dtype), image_grid_thw=grid.to(dev),
                       mm_token_type_ids=(ids == wl.image_token_id).to(torch.int32).to(dev))
     first = _FirstCall()
+    # The engine never samples image/video pads or vision markers (a sampled pad breaks the trainer's forward:
+    # its image features no longer match the pads); suppress the same ids so both draw from one distribution.
+    # output_logits stays the raw logits, so the logprobs are unaffected.
+    suppress = InputPreparer(policy).vision_token_ids() if policy.is_vlm else []
     budgets = [r.max_new_tokens for r in rows]
     stop = StoppingCriteriaList([_RowBudget(width, budgets)]) if len(set(budgets)) > 1 else None
     policy.clear_rope_deltas()
@@ -214,7 +219,7 @@ def hf_generate(ctx: BenchContext, rows: list[BenchRequest]) -> tuple[list[Sampl
             repetition_penalty=1.0, max_new_tokens=max(budgets), min_new_tokens=0,
             eos_token_id=None if wl.ignore_eos else wl.eos_ids, pad_token_id=pad,
             return_dict_in_generate=True, output_logits=True,
-            logits_processor=LogitsProcessorList([first]), stopping_criteria=stop)
+            suppress_tokens=suppress or None, logits_processor=LogitsProcessorList([first]), stopping_criteria=stop)
     gen = out.sequences[:, width:].tolist()
     logits = torch.stack(out.logits, dim=1) if out.logits else None  # [B, T, V]
     samples = []

@@ -226,6 +226,11 @@ def _apply_peft(model, lora):
     return get_peft_model(model, cfg)
 
 
+# Kept out of 4-bit: lm_head and the vision tower with its projector. transformers 5 matches these from the
+# start of the module path (re.match) or as its end, so a bare "visual" would not match "model.visual.blocks...".
+_FULL_PRECISION_MODULES = ["lm_head", r".*\.visual\b", r".*\.vision_tower\b", r".*\.multi_modal_projector\b"]
+
+
 def _load_transformers(path, config, is_vlm, dtype, load_in_4bit, lora, gradient_checkpointing, device,
                        attn_implementation) -> PolicyModel:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
@@ -238,7 +243,7 @@ def _load_transformers(path, config, is_vlm, dtype, load_in_4bit, lora, gradient
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True, llm_int8_skip_modules=["lm_head", "visual", "merger"])
+            bnb_4bit_use_double_quant=True, llm_int8_skip_modules=_FULL_PRECISION_MODULES)
     if device is not None:
         kwargs["device_map"] = {"": str(device)}
     elif _cuda():

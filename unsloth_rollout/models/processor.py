@@ -1,10 +1,12 @@
-"""Processor loading for Qwen2-VL / Qwen2.5-VL that works without torchvision.
+"""Processor loading for Qwen2-VL / Qwen2.5-VL that works with or without torchvision.
 
 transformers' ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` insist on a video processor, and
-the video processor needs torchvision, which is not installed here (a mismatched wheel breaks
-``import transformers`` pieces). The image-only subclasses below drop the video part and use the
-PIL image processor; they load standard processor folders and save folders that standard
-loaders still recognise.
+the video processor needs torchvision, which the CPU install leaves out (a torchvision wheel beside
+a CPU-only torch cannot import). Where torchvision imports, ``load_processor`` returns the stock
+processor from ``AutoProcessor`` (its image processor then resizes with torchvision, so pixel values
+differ slightly from the PIL path: train on ``policy.processor``). Otherwise the image-only subclasses
+below drop the video part and use the PIL image processor; they load standard processor folders and
+save folders that standard loaders still recognise.
 
 Example::
 
