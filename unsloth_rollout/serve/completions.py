@@ -154,7 +154,8 @@ def prepare_prompt(state: ServerState, greq: GenerationRequest, param: str) -> l
     try:
         greq.prepared = state.engine.inputs.prepare(greq)
     except InvalidRequestError as e:
-        raise APIError(str(e), param=param if e.field == "input_ids" else e.field) from None
+        # Images live inside the request's messages (or prompt): the error names that field, as at submission.
+        raise APIError(str(e), param=param if e.field in ("input_ids", "images", "messages") else e.field) from None
     return greq.prepared.prompt_ids
 
 
