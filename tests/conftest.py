@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_rollout.testing.oracles import mm_token_type_ids, teacher_forced  # noqa: F401  (re-exported)
+from unsloth_rollout.testing.oracles import mm_token_type_ids, perturb_lora, teacher_forced  # noqa: F401
 from unsloth_rollout.testing.tiny import tiny_model_path
 
 
@@ -78,18 +78,6 @@ def random_images(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     sizes = [(64, 48), (40, 90), (56, 56), (30, 70), (84, 28)]
     return [Image.fromarray(rng.integers(0, 255, (*sizes[i % len(sizes)], 3), dtype=np.uint8)) for i in range(n)]
-
-
-def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
-    """Give LoRA B matrices random values so LoRA is not a no-op; returns how many were touched."""
-    g = torch.Generator().manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-                n += 1
-    return n
 
 
 def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,

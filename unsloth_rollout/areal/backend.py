@@ -78,7 +78,7 @@ def create_train_engine(trainer, actor_config, alloc):
     else:
         engine = UnslothPPOActor(actor_config, load_options=load_options)
     if dp > 1:
-        engine._dp = replica
+        engine.use_replica(replica)
     engine.create_process_group(parallel_strategy=alloc.parallel)
     return engine
 

@@ -114,7 +114,7 @@ class ColocatedTrainEngine(TrainEngine):
         self._initialized = False
         self._parallel_strategy = None
         self._own_process_group = False
-        self._dp = None  # distributed.DataParallel with unsloth:dN, N > 1
+        self._dp = None  # distributed.DataParallel with unsloth:dN, N > 1 (see use_replica)
         self.tokenizer = policy.tokenizer if policy is not None else None
         self.processor = policy.processor if policy is not None else None
 
@@ -465,6 +465,11 @@ class ColocatedTrainEngine(TrainEngine):
             self.lr_scheduler.step()
 
     # ================================================================== rollout connection and weights
+    def use_replica(self, replica) -> None:
+        """Train as one of N data-parallel replicas (``distributed.DataParallel``; ``unsloth:dN``, N > 1): the
+        backend joins the process group before the model loads and hands it over here."""
+        self._dp = replica
+
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta):
         """Remember the rollout engine. If it samples from this very PolicyModel, weight updates become
         version bumps; otherwise ``update_weights`` uses AReaL's disk protocol (adapter files)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .backends import BACKENDS, BenchContext, spread
-from ..testing.oracles import teacher_forced
+from ..testing.oracles import perturb_lora, teacher_forced
 from .workloads import Workload, build_workload, image_inputs
 
 logger = logging.getLogger("unsloth_rollout.bench")
@@ -229,18 +229,6 @@ def machine_info(device: torch.device) -> dict:
 
 
 # ============================================================================ the run
-def _perturb_lora(policy, seed: int, std: float = 0.02) -> int:
-    """LoRA B starts at zero (a no-op adapter); give it random weights so LoRA really changes the model."""
-    g = torch.Generator().manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
-                n += 1
-    return n
-
-
 def _percentile(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else None
 
@@ -330,7 +318,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
     policy = load_model(path, backend=model_backend, lora={"r": lora, "random_state": seed} if lora else None,
                         dtype=dtype, load_in_4bit=load_in_4bit)
     if lora:
-        _perturb_lora(policy, seed)
+        perturb_lora(policy.model, std=0.02, seed=seed)
     policy.inference()
     wl = build_workload(policy, workload, prompts, group, max_new_tokens, temperature, ignore_eos, seed)
     ctx = BenchContext(policy, wl, lora, kv_cache_bytes=kv_cache_memory_bytes,

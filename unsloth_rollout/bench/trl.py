@@ -73,7 +73,8 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     from ..models import load_model
     from ..trl import rollout_func
     from ..trl.toy import grpo_config
-    from .harness import _perturb_lora, cpu_pressure, machine_info, model_path
+    from ..testing.oracles import perturb_lora
+    from .harness import cpu_pressure, machine_info, model_path
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(seed)
@@ -81,7 +82,7 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     lora_opts = {"r": lora, "finetune_vision_layers": True, "random_state": seed} if lora else None
     policy = load_model(path, backend="transformers", lora=lora_opts)
     if lora:
-        _perturb_lora(policy, seed)
+        perturb_lora(policy.model, std=0.02, seed=seed)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=kv_cache_memory_bytes), seed=seed)
     rows = _dataset(policy, prompts, seed)
     gen_prompts = _generation_prompts(rows, group)

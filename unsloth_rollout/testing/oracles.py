@@ -11,7 +11,20 @@ import torch
 
 from ..engine.inputs import mm_token_type_ids
 
-__all__ = ["mm_token_type_ids", "teacher_forced"]
+__all__ = ["mm_token_type_ids", "perturb_lora", "teacher_forced"]
+
+
+def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
+    """LoRA B starts at zero (a no-op adapter): give every B matrix seeded random values so LoRA really changes
+    the model a test or bench measures. Returns how many matrices were touched."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
+                n += 1
+    return n
 
 
 def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **vision):
