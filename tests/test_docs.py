@@ -1,0 +1,21 @@
+"""The published reliability figures are the recorded JSONs, rendered by the named script (never typed by hand)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_reliability_tables_match_the_recorded_json():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reliability_report.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docs_name_no_files_outside_the_repo():
+    for doc in ["README.md", "RELIABILITY.md", "docs/architecture.md", "benchmarks/README.md"]:
+        text = (ROOT / doc).read_text()
+        assert "../shared" not in text and "/work/" not in text, doc
