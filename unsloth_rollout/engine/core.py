@@ -108,7 +108,7 @@ class EngineCore:
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
-        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode)
+        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = self.inputs.vision_token_ids() if (policy.is_vlm and config.suppress_vision_tokens) else []
@@ -186,6 +186,7 @@ class EngineCore:
                                             seq.lora_name)
         seq.num_cached, seq.rope_delta = seq.num_tokens, delta
         seq.kv_stamp, seq.kv_version = stamp_of(seq.lora_name), version
+        seq.kv_epoch += 1
         self.stats["prefill_tokens"] += seq.num_tokens
         self.stats["prefills"] += 1
         return self._sample([seq], logits.unsqueeze(0), version)
@@ -222,6 +223,7 @@ class EngineCore:
                 continue
             s.block_table, s.num_cached, s.rope_delta = prefix.share(entry, own), entry.num_tokens, entry.rope_delta
             s.kv_stamp, s.kv_version = entry.stamp, entry.version
+            s.kv_epoch += 1
         if not prefix.enabled:
             prefix.drop(key)
         ready = [s for s in group if s.status == Status.RUNNING]
@@ -231,9 +233,13 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:
-            logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
-                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs],
-                                        [s.lora_name for s in seqs])
+            runner = self.runner
+            keys = [(s.seq_id, s.kv_epoch) for s in seqs]
+            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs])
+            seqs = [seqs[i] for i in order]  # the backend's row order
+            logits = runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
+                                   [s.rope_delta for s in seqs], [s.block_table for s in seqs],
+                                   [s.lora_name for s in seqs], keys=[keys[i] for i in order])
         except ModelNotServableError:
             raise
         except Exception as e:  # fail this batch, never leave it stuck in the running list

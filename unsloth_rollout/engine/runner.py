@@ -17,6 +17,7 @@ import torch
 from ..models.families import check_supported
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .inputs import mm_token_type_ids
+from .decode_backend import DECODE_BACKENDS, DecodeWorkspace
 from .kv_cache import CacheView, KVCache
 
 # Families whose image tokens attend bidirectionally within one image in prefill (transformers builds the mask
@@ -51,9 +52,16 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 
 class ModelRunner:
-    def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None):
+    def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
+                 decode_backend: str = "workspace"):
         self.policy = policy
         self.kv = kv_cache
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
+        self.decode_backend = "gather" if compile_decode else decode_backend
+        self.workspace = DecodeWorkspace(kv_cache) if self.decode_backend == "workspace" else None
+        kv_cache.on_release.append(self.release_workspace)
         self.device = policy.device
         cfg = policy.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
@@ -157,12 +165,26 @@ class ModelRunner:
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
+    def release_workspace(self) -> None:
+        if self.workspace is not None:
+            self.workspace.release()
+
+    def arrange_decode(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int]:
+        """The order the decode batch runs in: for each row, the index of its sequence in the arguments
+        (``keys[i]``: the sequence's (id, kv_epoch)). The workspace backend runs rows in its own row order."""
+        if self.workspace is None:
+            return list(range(len(keys)))
+        return self.workspace.arrange(keys, lengths, block_tables)
+
     def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
-               adapters: list[str | None] | None = None, eager: bool = False):
-        """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
+               adapters: list[str | None] | None = None, eager: bool = False, keys: list[tuple] | None = None):
+        """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position).
+        ``keys``: the rows' (seq id, kv_epoch), in ``arrange_decode``'s order: decode through the workspace."""
         bs = self.kv.block_size
         n_rows = len(tokens)
         names = self.adapter_names(adapters or [None] * n_rows)
+        if keys is not None and self.workspace is not None:
+            return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         static = self._compiled is not None and names is None and not eager
         b = _bucket(n_rows) if static else n_rows
         lmax = _bucket(max(lengths) + 1, 64) if static else max(lengths) + 1
@@ -191,6 +213,27 @@ class ModelRunner:
         view = CacheView(self.kv, write_t, gather_t, lmax, ctx)
         return self._forward(input_ids, pos, ctx, view, names)
 
+    def _decode_workspace(self, tokens, lengths, deltas, block_tables, names, keys):
+        ws = self.workspace
+        if ws.keys != list(keys) or ws.lengths != list(lengths):
+            raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
+        bs = self.kv.block_size
+        b = len(tokens)
+        dev = self.device
+        write = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, lengths)]
+        write_t = torch.tensor(write, device=dev)
+        lens_t = torch.tensor(lengths, device=dev)
+        lmax = max(lengths) + 1
+        pos = lens_t.view(b, 1)
+        if self.mrope:
+            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
+        input_ids = torch.tensor(tokens, device=dev).view(b, 1)
+        ctx = ForwardContext.decode(lens_t, lmax)
+        view = ws.view(write_t, lens_t, lmax, ctx)
+        logits = self._forward(input_ids, pos, ctx, view, names)
+        ws.advance()
+        return logits
+
     def probe(self) -> None:
         """A two-token prefill and a one-token decode into a free block, run the way ``step()`` runs them:
         a model whose attention bypasses the engine's cache (or computes what the engine cannot) raises
@@ -203,7 +246,13 @@ class ModelRunner:
                 slots = self.kv.slots(blocks, 0, 3)
                 self.prefill([0, 0], slots[:2])
                 self.decode([0], [2], [0], [blocks], eager=True)
+                if self.workspace is not None:  # the workspace path, through the same guard
+                    key = [("probe", 0)]
+                    self.arrange_decode(key, [2], [blocks])
+                    self.decode([0], [2], [0], [blocks], eager=True, keys=key)
         finally:
+            if self.workspace is not None:
+                self.workspace.arrange([], [], [])
             self.kv.free(blocks)
 
     def _static_decode(self, input_ids, position_ids, lengths, write_slots, gather_index) -> torch.Tensor:
