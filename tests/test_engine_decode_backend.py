@@ -163,3 +163,87 @@ def test_offload_releases_the_workspace(qwen2_dir):
         assert again.output_ids == out.output_ids
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
+def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
+    """Distinct prompts of different lengths (images of different sizes, M-RoPE rows) prefilled in one packed
+    forward give the logits, rope deltas and cached keys/values of prefilling each alone."""
+    from conftest import random_images
+    from unsloth_rollout import GenerationRequest
+
+    policy = load_model(model_dirs[arch], backend="transformers")
+    core = _core(policy, "workspace")
+    words = "alice bob counts twelve red apples at the market".split()
+    prompts = []
+    for i, k in enumerate([1, 0, 2, 1]):
+        text = " ".join(words[: 2 + 2 * i])
+        if policy.is_vlm:
+            msgs = [{"role": "user", "content": [{"type": "image"}] * k + [{"type": "text", "text": text}]}]
+            req = GenerationRequest(messages=msgs, images=random_images(k, seed=i))
+        else:
+            req = GenerationRequest(input_ids=policy.tokenizer.encode(text * (i + 1)))
+        prompts.append(core.inputs.prepare(req))
+    assert all(core.runner.can_pack(p) for p in prompts)
+    runner, kv = core.runner, core.kv
+    tables = [kv.allocate(-(-len(p.prompt_ids) // kv.block_size)) for p in prompts]
+    items = [(p.prompt_ids, kv.slots(t, 0, len(p.prompt_ids)), p) for p, t in zip(prompts, tables)]
+    with torch.inference_mode(), policy.inference():
+        packed = runner.prefill_packed(items)
+        packed_kv = [[(kv.k[i][torch.tensor(s)].clone(), kv.v[i][torch.tensor(s)].clone())
+                      for i in range(kv.num_layers)] for _, s, _ in items]
+        for (ids, slots, p), (logits, delta), cached in zip(items, packed, packed_kv):
+            policy.clear_rope_deltas() if hasattr(policy, "clear_rope_deltas") else None
+            alone, alone_delta = runner.prefill(ids, slots, p)
+            assert alone_delta == delta
+            assert (alone - logits).abs().max() <= 1e-5
+            for i in range(kv.num_layers):
+                assert (kv.k[i][torch.tensor(slots)] - cached[i][0]).abs().max() <= 1e-5
+                assert (kv.v[i][torch.tensor(slots)] - cached[i][1]).abs().max() <= 1e-5
+    if policy.is_vlm:
+        assert any(d != 0 for _, d in packed), "M-RoPE rows with images have a non-zero rope delta"
+
+
+def test_distinct_prompts_admitted_together_share_one_prefill_forward(qwen2_dir):
+    policy = load_model(qwen2_dir, backend="transformers")
+    core = _core(policy, "workspace")
+    prompts = [policy.tokenizer.encode("alice counts apples " * (1 + i)) for i in range(5)]
+    seqs = _run(core, prompts, [6] * 5, temperature=0.0, n=2)
+    assert core.stats["prefills"] == 5 and core.stats["prefill_forwards"] == 1
+    for s in seqs:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=6, do_sample=False,
+                                    min_new_tokens=6)[0, len(s.prompt_ids):]
+        assert s.output_ids == ref.tolist()
+
+
+def test_batched_penalties_and_bans_equal_a_per_row_reference():
+    """The sampler's batched penalties and min-token bans, against the per-row arithmetic written out by hand."""
+    from unsloth_rollout.engine.sampler import Sampler
+
+    torch.manual_seed(0)
+    vocab, eos = 50, 7
+    params = [dict(repetition_penalty=1.7), dict(frequency_penalty=0.9, presence_penalty=0.4), dict(),
+              dict(repetition_penalty=0.6, frequency_penalty=1.5, min_new_tokens=5, stop_token_ids=[3, 11]),
+              dict(min_new_tokens=9), dict(presence_penalty=2.0, ignore_eos=True, min_new_tokens=4)]
+    seqs = []
+    for i, p in enumerate(params):
+        s = Sequence("r", i, PreparedPrompt([int(x) for x in torch.randint(0, vocab, (6,))]),
+                     SamplingParams(temperature=0, **p))
+        s.output_ids = [int(x) for x in torch.randint(0, vocab, (i + 2,))]
+        seqs.append(s)
+    logits = torch.randn(len(seqs), vocab + 3) * 3  # padded vocabulary columns, as lm heads have
+    logits[:, [eos, 3, 11]] += 20  # banned tokens would win without the bans
+    want = []
+    for i, s in enumerate(seqs):
+        sp, row = s.sampling, logits[i].clone()
+        for t in set(s.all_ids):
+            row[t] = row[t] / sp.repetition_penalty if row[t] > 0 else row[t] * sp.repetition_penalty
+        for t in set(s.output_ids):
+            row[t] -= sp.frequency_penalty * s.output_ids.count(t) + sp.presence_penalty
+        if len(s.output_ids) < sp.min_new_tokens:
+            for t in list(sp.stop_token_ids) + ([] if sp.ignore_eos else [eos]):
+                row[t] = float("-inf")
+        want.append(int(row.argmax()))
+    res = Sampler(vocab, [eos], [], seed=0)(logits, seqs)
+    assert res.tokens == want
+    assert res.tokens[5] == eos or res.tokens[5] in (3, 11)  # ignore_eos and no stop ids: nothing banned

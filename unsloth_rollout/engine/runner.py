@@ -109,7 +109,8 @@ class ModelRunner:
         return pos, int(delta.view(-1)[0])
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, **mm):
+    def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
+        """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row."""
         if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
             mm["adapter_names"] = adapters
         ctx.inner = self._inner
@@ -119,13 +120,14 @@ class ModelRunner:
         set_current(ctx)
         try:
             out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                    past_key_values=view, use_cache=True, logits_to_keep=1, **{CTX_KWARG: ctx},
+                                    past_key_values=view, use_cache=True,
+                                    logits_to_keep=1 if keep is None else keep, **{CTX_KWARG: ctx},
                                     **mm)
         finally:
             cfg._attn_implementation_internal = saved
             set_current(None)
         ctx.verify(self.policy.model, self.num_layers)
-        return out.logits[:, -1, :]
+        return out.logits[:, -1, :] if keep is None else out.logits[0]
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
         """Per-row PEFT adapter names, or None when every row uses the active adapter."""
@@ -134,15 +136,11 @@ class ModelRunner:
         active = "__base__" if self.base_default else getattr(self.policy.model, "active_adapter", "__base__")
         return [active if n is None else n for n in names]
 
-    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
-        """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
-        PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
-        a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
-        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
+    def _prompt_inputs(self, ids: list[int], prompt):
+        """(position_ids [1, L] or M-RoPE [3, 1, L], rope_delta, vision inputs) of one prompt."""
         pixel_values = getattr(prompt, "pixel_values", None)
         image_grid_thw = getattr(prompt, "image_grid_thw", None)
         extra = getattr(prompt, "extra", None)
-        input_ids = torch.tensor([ids], device=self.device)
         delta = 0
         mm = {}
         if self.mrope:
@@ -157,6 +155,15 @@ class ModelRunner:
                 if isinstance(v, torch.Tensor):
                     v = v.to(self.device, self.policy.dtype) if v.is_floating_point() else v.to(self.device)
                 mm[k] = v
+        return position_ids, delta, mm
+
+    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
+        """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
+        PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
+        a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
+        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
+        input_ids = torch.tensor([ids], device=self.device)
+        position_ids, delta, mm = self._prompt_inputs(ids, prompt)
         block = None
         if self.image_blocks and self.image_token_id is not None:
             block = image_block_ids(input_ids, self.image_token_id)
@@ -164,6 +171,52 @@ class ModelRunner:
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
+
+    def can_pack(self, prompt) -> bool:
+        """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
+        concatenate across prompts (Qwen-VL: flat patches + one grid row per image)."""
+        if getattr(prompt, "pixel_values", None) is None:
+            return True
+        return getattr(prompt, "image_grid_thw", None) is not None and not getattr(prompt, "extra", None)
+
+    def prefill_packed(self, items: list[tuple[list[int], list[int], object]], adapter: str | None = None):
+        """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``) in one forward: packed into one
+        row, each position attending only to its own prompt (``ForwardContext.segment``), with its own positions
+        (M-RoPE rows included) and the vision tower run once over all their images. Returns [(logits [V],
+        rope_delta)] per prompt."""
+        if len(items) == 1:
+            ids, slots, prompt = items[0]
+            return [self.prefill(ids, slots, prompt, adapter)]
+        dev = self.device
+        all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
+        pixels, grids = [], []
+        for i, (ids, slots, prompt) in enumerate(items):
+            if not self.can_pack(prompt):
+                raise ValueError("prefill_packed: a prompt with non-concatenable vision inputs")
+            pos, delta, mm = self._prompt_inputs(ids, prompt)
+            positions.append(pos)
+            deltas.append(delta)
+            if "pixel_values" in mm:
+                pixels.append(mm["pixel_values"])
+                grids.append(mm["image_grid_thw"])
+            all_ids += ids
+            all_slots += slots
+            seg += [i] * len(ids)
+            lasts.append(len(all_ids) - 1)
+        input_ids = torch.tensor([all_ids], device=dev)
+        position_ids = torch.cat(positions, dim=-1)
+        mm = {}
+        if pixels:
+            mm = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+        block = None
+        if self.image_blocks and self.image_token_id is not None:
+            block = image_block_ids(input_ids, self.image_token_id)
+        pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
+        ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
+        view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)
+        logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]),
+                               keep=torch.tensor(lasts, device=dev), **mm)
+        return [(logits[i], deltas[i]) for i in range(len(items))]
 
     def release_workspace(self) -> None:
         if self.workspace is not None:
