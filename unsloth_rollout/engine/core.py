@@ -30,6 +30,8 @@ from .sequence import Sequence, Status
 
 logger = logging.getLogger("unsloth_rollout")
 
+PACK_MAX_TOKENS = 4096  # most prompt tokens packed into one prefill forward (its mask is quadratic in them)
+
 
 def _available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -197,9 +199,10 @@ class EngineCore:
 
     def _packs(self, todo: dict) -> list[list]:
         """The prompts to prefill, in packed forwards: same adapter, packable vision inputs, at most
-        ``max_prefill_tokens`` tokens each (a longer prompt alone)."""
+        ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
         packs, open_by_adapter = [], {}
-        limit = self.config.max_prefill_tokens
+        # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
+        limit = min(self.config.max_prefill_tokens, PACK_MAX_TOKENS)
         for key, (blocks, head) in todo.items():
             n = len(head.prompt_ids)
             if not self.runner.can_pack(head.prompt):
