@@ -52,7 +52,8 @@ class ForwardContext:
     cache view returns; ``k_valid``: [B, K] whether that key is real (padded rows attend to nothing
     past their length). ``block``: optional [B, K] image-block id per key position (-1: text) for
     families whose image tokens attend bidirectionally within one image (Gemma 3); in prefill the
-    queries are the keys, so the same ids serve both.
+    queries are the keys, so the same ids serve both. ``segment``: optional [1, K] prompt id per position of a
+    packed prefill (several prompts in one row): a query attends only to keys of its own prompt.
     """
 
     kind: str
@@ -62,6 +63,7 @@ class ForwardContext:
     block: torch.Tensor | None = None
     causal_fast_path: bool = False  # prefill of one unpadded row without blocks: is_causal=True
     check: bool = True  # count cache use (off inside a compiled region)
+    segment: torch.Tensor | None = None
     inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
     writes: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)
@@ -91,6 +93,8 @@ class ForwardContext:
                 m = m | ((qb >= 0) & (qb == self.block.unsqueeze(1)))
             if window is not None:
                 m = m & (k > q - window)
+            if self.segment is not None:
+                m = m & (self.segment.unsqueeze(-1) == self.segment.unsqueeze(1))
             if self.k_valid is not None:
                 m = m & self.k_valid.unsqueeze(1)
             m = m.unsqueeze(1)

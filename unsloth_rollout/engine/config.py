@@ -155,6 +155,10 @@ class EngineConfig:
             the oldest weight version among the positions it attended to (``output_kv_versions``).
         decode_compile: run decode steps through ``torch.compile`` with bucketed shapes (batch and length
             padded to powers of two); ``compile_mode`` defaults to "reduce-overhead" (CUDA graphs) on GPU.
+        decode_backend: how decode attention reads the cached history (engine/decode_backend.py): "workspace"
+            (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
+            history; the default) or "gather" (every row's history gathered from the paged pool each step).
+            The compiled decode always gathers.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -168,6 +172,7 @@ class EngineConfig:
     recompute_on_weight_change: bool = True
     decode_compile: bool = False
     compile_mode: str | None = None
+    decode_backend: str = "workspace"
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
@@ -182,3 +187,5 @@ class EngineConfig:
                "max_model_len", f"must be >= 2 or None, got {self.max_model_len!r}")
         _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
                f"must be >= 1, got {self.max_prefill_tokens}")
+        _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
+               f"must be 'gather' or 'workspace', got {self.decode_backend!r}")

@@ -30,6 +30,8 @@ from .sequence import Sequence, Status
 
 logger = logging.getLogger("unsloth_rollout")
 
+PACK_MAX_TOKENS = 4096  # most prompt tokens packed into one prefill forward (its mask is quadratic in them)
+
 
 def _available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -108,7 +110,7 @@ class EngineCore:
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
-        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode)
+        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = self.inputs.vision_token_ids() if (policy.is_vlm and config.suppress_vision_tokens) else []
@@ -116,8 +118,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.weights = WeightsClock()
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "finished": 0,
-                      "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
+                      "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
 
     # ================================================================== the step
     def step(self) -> int:
@@ -135,8 +137,12 @@ class EngineCore:
             if plan is not None:
                 if plan.decode:
                     produced += self._decode(plan.decode, version)
+                fresh = [g for g in plan.prefill_groups if not g[0].output_ids]
                 for group in plan.prefill_groups:
-                    produced += self._prefill(group, version, stamp_of)
+                    if group[0].output_ids:  # resumed after preemption: recompute prompt + output privately
+                        produced += self._prefill(group, version, stamp_of)
+                if fresh:
+                    produced += self._prefill_groups(fresh, version, stamp_of)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return produced
@@ -162,10 +168,9 @@ class EngineCore:
                 self.stats["weight_recomputes"] += 1
 
     def _prefill(self, group: list[Sequence], version: int, stamp_of) -> int:
+        """Recompute a resumed sequence (prompt + its output so far) privately."""
         try:
-            if group[0].output_ids:  # resumed after preemption: recompute prompt + output privately
-                return self._recompute(group[0], version, stamp_of)
-            return self._prefill_group(group, version, stamp_of)
+            return self._recompute(group[0], version, stamp_of)
         except ModelNotServableError:
             raise
         except Exception as e:
@@ -186,54 +191,110 @@ class EngineCore:
                                             seq.lora_name)
         seq.num_cached, seq.rope_delta = seq.num_tokens, delta
         seq.kv_stamp, seq.kv_version = stamp_of(seq.lora_name), version
+        seq.kv_epoch += 1
         self.stats["prefill_tokens"] += seq.num_tokens
         self.stats["prefills"] += 1
+        self.stats["prefill_forwards"] += 1
         return self._sample([seq], logits.unsqueeze(0), version)
 
-    def _prefill_group(self, group: list[Sequence], version: int, stamp_of) -> int:
-        """Prefill a group's shared prompt once (or find it in the prefix cache); every member shares it."""
-        sch, prefix, head = self.scheduler, self.scheduler.prefix, group[0]
-        key = prefix_key(head)
-        entry = prefix.lookup(key)
-        if entry is None:
+    def _packs(self, todo: dict) -> list[list]:
+        """The prompts to prefill, in packed forwards: same adapter, packable vision inputs, at most
+        ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
+        packs, open_by_adapter = [], {}
+        # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
+        limit = min(self.config.max_prefill_tokens, PACK_MAX_TOKENS)
+        for key, (blocks, head) in todo.items():
             n = len(head.prompt_ids)
-            blocks = sch.allocate(sch.blocks_for(n), keep=key)
-            if blocks is None:  # memory went elsewhere this step: wait in line, first
+            if not self.runner.can_pack(head.prompt):
+                packs.append([key])
+                continue
+            cur = open_by_adapter.get(head.lora_name)
+            if cur is None or cur[1] + n > limit:
+                cur = [[], 0]
+                open_by_adapter[head.lora_name] = cur
+                packs.append(cur[0])
+            cur[0].append(key)
+            cur[1] += n
+        return packs
+
+    def _prefill_groups(self, groups: list[list[Sequence]], version: int, stamp_of) -> int:
+        """Prefill each distinct new prompt once (or find it in the prefix cache), the distinct prompts of this step
+        packed into as few forwards as the budget allows; every member of a group shares its prompt's KV. One
+        sampler call for all members."""
+        sch, prefix, kv = self.scheduler, self.scheduler.prefix, self.kv
+        todo: dict = {}  # key -> (blocks, head): prompts to compute this step, in admission order
+        ready = []
+        for group in groups:
+            key = prefix_key(group[0])
+            if key not in todo and prefix.lookup(key) is None:
+                blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
+                if blocks is None:  # memory went elsewhere this step: wait in line, first
+                    for s in reversed(group):
+                        sch.preempt(s, count=False)
+                    continue
+                todo[key] = (blocks, group[0])
+            ready.append((group, key))
+        failed: dict = {}
+        for i, pack in enumerate(packs := self._packs(todo)):
+            head = todo[pack[0]][1]
+            items = [(todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)), todo[k][1].prompt)
+                     for k in pack]
+            try:
+                outs = self.runner.prefill_packed(items, head.lora_name)
+            except Exception as e:
+                for later in packs[i:]:  # never leak the blocks of prompts not computed
+                    for k in later:
+                        if k not in failed:
+                            kv.free(todo[k][0])
+                            failed[k] = f"prefill failed: {type(e).__name__}: {e}"
+                if isinstance(e, ModelNotServableError):
+                    raise
+                logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
+                break
+            self.stats["prefill_forwards"] += 1
+            for k, (logits, delta) in zip(pack, outs):
+                blocks, h = todo[k]
+                prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
+                self.stats["prefill_tokens"] += len(h.prompt_ids)
+                self.stats["prefills"] += 1
+        seqs, rows = [], []
+        for group, key in ready:
+            if key in failed:
+                for s in group:
+                    if not s.finished:
+                        self.finish(s, "abort", error=failed[key])
+                continue
+            entry = prefix.lookup(key)
+            if entry is None:  # evicted by an earlier group's blocks this step: prefill again next step
                 for s in reversed(group):
                     sch.preempt(s, count=False)
-                return 0
-            try:
-                logits, delta = self.runner.prefill(head.prompt_ids, self.kv.slots(blocks, 0, n), head.prompt,
-                                                    head.lora_name)
-            except Exception:
-                self.kv.free(blocks)
-                raise
-            entry = PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name))
-            prefix.insert(key, entry)
-            self.stats["prefill_tokens"] += n
-            self.stats["prefills"] += 1
-            prefix.hits += len(group) - 1
-        else:
-            prefix.hits += len(group)
-        for s in group:
-            own = []
-            if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
-                sch.preempt(s, count=False)
                 continue
-            s.block_table, s.num_cached, s.rope_delta = prefix.share(entry, own), entry.num_tokens, entry.rope_delta
-            s.kv_stamp, s.kv_version = entry.stamp, entry.version
-        if not prefix.enabled:
-            prefix.drop(key)
-        ready = [s for s in group if s.status == Status.RUNNING]
-        if not ready:
+            prefix.hits += len(group) - (1 if todo.pop(key, None) is not None else 0)
+            for s in group:
+                own = []
+                if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
+                    sch.preempt(s, count=False)
+                    continue
+                s.block_table, s.num_cached, s.rope_delta = prefix.share(entry, own), entry.num_tokens, entry.rope_delta
+                s.kv_stamp, s.kv_version = entry.stamp, entry.version
+                s.kv_epoch += 1
+                seqs.append(s)
+                rows.append(entry.logits)
+            if not prefix.enabled:
+                prefix.drop(key)
+        if not seqs:
             return 0
-        return self._sample(ready, entry.logits.unsqueeze(0).expand(len(ready), -1), version)
+        return self._sample(seqs, torch.stack(rows), version)
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:
-            logits = self.runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
-                                        [s.rope_delta for s in seqs], [s.block_table for s in seqs],
-                                        [s.lora_name for s in seqs])
+            runner = self.runner
+            keys = [(s.seq_id, s.kv_epoch) for s in seqs]
+            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs])
+            seqs = [seqs[i] for i in order]  # the backend's row order
+            logits = runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
+                                   [s.rope_delta for s in seqs], [s.block_table for s in seqs],
+                                   [s.lora_name for s in seqs], keys=[keys[i] for i in order])
         except ModelNotServableError:
             raise
         except Exception as e:  # fail this batch, never leave it stuck in the running list

@@ -30,6 +30,7 @@ class KVCache:
         self.v: list[torch.Tensor] = []
         self.refcount = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.on_release: list = []  # called by release_storage (the decode workspace drops its rows)
         self.allocate_storage()
 
     @staticmethod
@@ -55,6 +56,8 @@ class KVCache:
         """Free the tensors (offload); only legal when no block is in use."""
         assert self.num_free_blocks == self.num_blocks, "release_storage with blocks in use"
         self.k, self.v = [], []
+        for fn in self.on_release:
+            fn()
 
     # ------------------------------------------------------------------ block accounting
     @property

@@ -17,6 +17,7 @@ import torch
 from ..models.families import check_supported
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .inputs import mm_token_type_ids
+from .decode_backend import DECODE_BACKENDS, DecodeWorkspace
 from .kv_cache import CacheView, KVCache
 
 # Families whose image tokens attend bidirectionally within one image in prefill (transformers builds the mask
@@ -51,9 +52,16 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 
 class ModelRunner:
-    def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None):
+    def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
+                 decode_backend: str = "workspace"):
         self.policy = policy
         self.kv = kv_cache
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
+        self.decode_backend = "gather" if compile_decode else decode_backend
+        self.workspace = DecodeWorkspace(kv_cache) if self.decode_backend == "workspace" else None
+        kv_cache.on_release.append(self.release_workspace)
         self.device = policy.device
         cfg = policy.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
@@ -104,7 +112,8 @@ class ModelRunner:
         return pos, int(delta.view(-1)[0])
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, **mm):
+    def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
+        """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row."""
         if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
             mm["adapter_names"] = adapters
         ctx.inner = self._inner
@@ -114,12 +123,13 @@ class ModelRunner:
         set_current(ctx)
         try:
             out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                    use_cache=True, logits_to_keep=1, **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
+                                    use_cache=True, logits_to_keep=1 if keep is None else keep,
+                                    **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
         finally:
             cfg._attn_implementation_internal = saved
             set_current(None)
         ctx.verify(self.policy.model, self.num_layers)
-        return out.logits[:, -1, :]
+        return out.logits[:, -1, :] if keep is None else out.logits[0]
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
         """Per-row PEFT adapter names, or None when every row uses the active adapter."""
@@ -128,15 +138,11 @@ class ModelRunner:
         active = "__base__" if self.base_default else getattr(self.policy.model, "active_adapter", "__base__")
         return [active if n is None else n for n in names]
 
-    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
-        """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
-        PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
-        a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
-        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
+    def _prompt_inputs(self, ids: list[int], prompt):
+        """(position_ids [1, L] or M-RoPE [3, 1, L], rope_delta, vision inputs) of one prompt."""
         pixel_values = getattr(prompt, "pixel_values", None)
         image_grid_thw = getattr(prompt, "image_grid_thw", None)
         extra = getattr(prompt, "extra", None)
-        input_ids = torch.tensor([ids], device=self.device)
         delta = 0
         mm = {}
         if self.mrope:
@@ -151,6 +157,15 @@ class ModelRunner:
                 if isinstance(v, torch.Tensor):
                     v = v.to(self.device, self.policy.dtype) if v.is_floating_point() else v.to(self.device)
                 mm[k] = v
+        return position_ids, delta, mm
+
+    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
+        """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
+        PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
+        a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
+        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
+        input_ids = torch.tensor([ids], device=self.device)
+        position_ids, delta, mm = self._prompt_inputs(ids, prompt)
         block = None
         if self.image_blocks and self.image_token_id is not None:
             block = image_block_ids(input_ids, self.image_token_id)
@@ -159,12 +174,72 @@ class ModelRunner:
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
+    def can_pack(self, prompt) -> bool:
+        """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
+        concatenate across prompts (Qwen-VL: flat patches + one grid row per image)."""
+        if getattr(prompt, "pixel_values", None) is None:
+            return True
+        return getattr(prompt, "image_grid_thw", None) is not None and not getattr(prompt, "extra", None)
+
+    def prefill_packed(self, items: list[tuple[list[int], list[int], object]], adapter: str | None = None):
+        """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``) in one forward: packed into one
+        row, each position attending only to its own prompt (``ForwardContext.segment``), with its own positions
+        (M-RoPE rows included) and the vision tower run once over all their images. Returns [(logits [V],
+        rope_delta)] per prompt."""
+        if len(items) == 1:
+            ids, slots, prompt = items[0]
+            return [self.prefill(ids, slots, prompt, adapter)]
+        dev = self.device
+        all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
+        pixels, grids = [], []
+        for i, (ids, slots, prompt) in enumerate(items):
+            if not self.can_pack(prompt):
+                raise ValueError("prefill_packed: a prompt with non-concatenable vision inputs")
+            pos, delta, mm = self._prompt_inputs(ids, prompt)
+            positions.append(pos)
+            deltas.append(delta)
+            if "pixel_values" in mm:
+                pixels.append(mm["pixel_values"])
+                grids.append(mm["image_grid_thw"])
+            all_ids += ids
+            all_slots += slots
+            seg += [i] * len(ids)
+            lasts.append(len(all_ids) - 1)
+        input_ids = torch.tensor([all_ids], device=dev)
+        position_ids = torch.cat(positions, dim=-1)
+        mm = {}
+        if pixels:
+            mm = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+        block = None
+        if self.image_blocks and self.image_token_id is not None:
+            block = image_block_ids(input_ids, self.image_token_id)
+        pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
+        ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
+        view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)
+        logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]),
+                               keep=torch.tensor(lasts, device=dev), **mm)
+        return [(logits[i], deltas[i]) for i in range(len(items))]
+
+    def release_workspace(self) -> None:
+        if self.workspace is not None:
+            self.workspace.release()
+
+    def arrange_decode(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int]:
+        """The order the decode batch runs in: for each row, the index of its sequence in the arguments
+        (``keys[i]``: the sequence's (id, kv_epoch)). The workspace backend runs rows in its own row order."""
+        if self.workspace is None:
+            return list(range(len(keys)))
+        return self.workspace.arrange(keys, lengths, block_tables)
+
     def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
-               adapters: list[str | None] | None = None, eager: bool = False):
-        """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position)."""
+               adapters: list[str | None] | None = None, eager: bool = False, keys: list[tuple] | None = None):
+        """One new token per row. ``lengths[i]``: tokens already cached for row i (the new token's position).
+        ``keys``: the rows' (seq id, kv_epoch), in ``arrange_decode``'s order: decode through the workspace."""
         bs = self.kv.block_size
         n_rows = len(tokens)
         names = self.adapter_names(adapters or [None] * n_rows)
+        if keys is not None and self.workspace is not None:
+            return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         static = self._compiled is not None and names is None and not eager
         b = _bucket(n_rows) if static else n_rows
         lmax = _bucket(max(lengths) + 1, 64) if static else max(lengths) + 1
@@ -193,6 +268,27 @@ class ModelRunner:
         view = CacheView(self.kv, write_t, gather_t, lmax, ctx)
         return self._forward(input_ids, pos, ctx, view, names)
 
+    def _decode_workspace(self, tokens, lengths, deltas, block_tables, names, keys):
+        ws = self.workspace
+        if ws.keys != list(keys) or ws.lengths != list(lengths):
+            raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
+        bs = self.kv.block_size
+        b = len(tokens)
+        dev = self.device
+        write = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, lengths)]
+        write_t = torch.tensor(write, device=dev)
+        lens_t = torch.tensor(lengths, device=dev)
+        lmax = max(lengths) + 1
+        pos = lens_t.view(b, 1)
+        if self.mrope:
+            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
+        input_ids = torch.tensor(tokens, device=dev).view(b, 1)
+        ctx = ForwardContext.decode(lens_t, lmax)
+        view = ws.view(write_t, lens_t, lmax, ctx)
+        logits = self._forward(input_ids, pos, ctx, view, names)
+        ws.advance()
+        return logits
+
     def probe(self) -> None:
         """A two-token prefill and a one-token decode into a free block, run the way ``step()`` runs them:
         a model whose attention bypasses the engine's cache (or computes what the engine cannot) raises
@@ -205,7 +301,13 @@ class ModelRunner:
                 slots = self.kv.slots(blocks, 0, 3)
                 self.prefill([0, 0], slots[:2])
                 self.decode([0], [2], [0], [blocks], eager=True)
+                if self.workspace is not None:  # the workspace path, through the same guard
+                    key = [("probe", 0)]
+                    self.arrange_decode(key, [2], [blocks])
+                    self.decode([0], [2], [0], [blocks], eager=True, keys=key)
         finally:
+            if self.workspace is not None:
+                self.workspace.arrange([], [], [])
             self.kv.free(blocks)
 
     def _static_decode(self, input_ids, position_ids, lengths, write_slots, gather_index) -> torch.Tensor:

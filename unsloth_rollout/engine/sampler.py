@@ -23,6 +23,26 @@ class SampleResult:
     top: list[dict[int, float] | None]
 
 
+# Columns of a sequence's parameter row (built once per sequence, on its first sampled token).
+_LPT, _T, _TOPK, _TOPP, _MINP, _GREEDY, _REP, _FREQ, _PRES = range(9)
+
+
+def _param_row(s: Sequence, vocab: int) -> tuple:
+    row = s.__dict__.get("_sampling_row")
+    if row is None:
+        sp = s.sampling
+        k = min(sp.top_k, vocab) if sp.top_k > 0 else 0  # min(): a top_k above the vocabulary keeps every token
+        row = (sp.logprob_temperature, 1.0 if sp.greedy else sp.temperature, k, sp.top_p, sp.min_p,
+               1.0 if sp.greedy else 0.0, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)
+        s.__dict__["_sampling_row"] = row
+    return row
+
+
+def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    n = max((len(x) for x in lists), default=0)
+    return torch.tensor([x + [pad] * (n - len(x)) for x in lists], dtype=torch.long, device=device).view(len(lists), n)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int], seed: int | None = None):
         self.vocab_size = vocab_size
@@ -31,77 +51,98 @@ class Sampler:
         self.rng = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """``logits``: [B, V'] raw logits for the next token of each sequence (V' >= vocab)."""
+        """``logits``: [B, V'] raw logits for the next token of each sequence (V' >= vocab). Per-row parameters
+        come as one tensor (each sequence's row is built once); penalties and bans are batched tensor ops over
+        the rows that need them."""
         logits = logits.float()
-        b = logits.shape[0]
+        b, cols = logits.shape
         dev = logits.device
-        temps = torch.tensor([s.sampling.logprob_temperature for s in seqs], device=dev).unsqueeze(1)
-        raw_lp = torch.log_softmax(logits / temps, dim=-1)
+        rows = [_param_row(s, cols) for s in seqs]
+        par = torch.tensor(rows, dtype=torch.float32, device=dev)  # [B, 9]
+        raw_lp = torch.log_softmax(logits / par[:, _LPT:_LPT + 1], dim=-1)
 
-        proc = logits.clone()
-        self._apply_penalties(proc, seqs)
+        pen = [i for i, r in enumerate(rows) if r[_REP] != 1.0 or r[_FREQ] or r[_PRES]]
+        bans = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.sampling.min_new_tokens]
+        proc = logits.clone() if (pen or bans or self.suppress_ids) else logits
+        if pen:
+            self._apply_penalties(proc, [seqs[i] for i in pen], pen, par)
         if self.suppress_ids:
             proc[:, self.suppress_ids] = float("-inf")
-        for i, s in enumerate(seqs):
-            if len(s.output_ids) < s.sampling.min_new_tokens:
+        if bans:
+            ri, ci = [], []
+            for i in bans:
+                s = seqs[i]
                 banned = list(s.sampling.stop_token_ids) + ([] if s.sampling.ignore_eos else self.eos_ids)
-                if banned:
-                    proc[i, banned] = float("-inf")
+                ri += [i] * len(banned)
+                ci += banned
+            if ri:
+                proc[torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)] = float("-inf")
 
-        greedy = [s.sampling.greedy for s in seqs]
-        tokens = torch.empty(b, dtype=torch.long, device=dev)
-        g_idx = [i for i, g in enumerate(greedy) if g]
-        s_idx = [i for i, g in enumerate(greedy) if not g]
-        if g_idx:
-            gi = torch.tensor(g_idx, device=dev)
+        n_greedy = sum(r[_GREEDY] > 0 for r in rows)
+        if n_greedy == b:
+            tokens = proc.argmax(dim=-1)
+        elif n_greedy == 0:
+            tokens = self._sample(proc, seqs, par)
+        else:
+            tokens = torch.empty(b, dtype=torch.long, device=dev)
+            g_idx = [i for i, r in enumerate(rows) if r[_GREEDY] > 0]
+            s_idx = [i for i, r in enumerate(rows) if not r[_GREEDY] > 0]
+            gi, si = torch.tensor(g_idx, device=dev), torch.tensor(s_idx, device=dev)
             tokens[gi] = proc[gi].argmax(dim=-1)
-        if s_idx:
-            si = torch.tensor(s_idx, device=dev)
-            tokens[si] = self._sample(proc[si], [seqs[i] for i in s_idx])
+            tokens[si] = self._sample(proc[si], [seqs[i] for i in s_idx], par[si])
 
         chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tok_list = tokens.tolist()
         lp_list = chosen.tolist()
         top: list[dict[int, float] | None] = [None] * b
-        k_max = max(s.sampling.logprobs for s in seqs)
-        if k_max:
-            vals, idx = raw_lp.topk(k_max, dim=-1)
+        want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+        if want:
+            k_max = max(seqs[i].sampling.logprobs for i in want)
+            wi = torch.tensor(want, device=dev)
+            vals, idx = raw_lp[wi].topk(k_max, dim=-1)
             vals, idx = vals.tolist(), idx.tolist()
-            for i, s in enumerate(seqs):
-                k = s.sampling.logprobs
-                if k:
-                    top[i] = {int(t): float(v) for t, v in zip(idx[i][:k], vals[i][:k])}
+            for j, i in enumerate(want):
+                k = seqs[i].sampling.logprobs
+                top[i] = {int(t): float(v) for t, v in zip(idx[j][:k], vals[j][:k])}
         return SampleResult(tok_list, lp_list, top)
 
-    def _apply_penalties(self, proc: torch.Tensor, seqs: list[Sequence]) -> None:
-        for i, s in enumerate(seqs):
-            sp = s.sampling
-            if sp.repetition_penalty != 1.0:
-                ids = torch.tensor(sorted(set(s.all_ids)), device=proc.device)
-                row = proc[i, ids]
-                proc[i, ids] = torch.where(row > 0, row / sp.repetition_penalty, row * sp.repetition_penalty)
-            if (sp.frequency_penalty or sp.presence_penalty) and s.output_ids:
-                counts = torch.bincount(torch.tensor(s.output_ids, device=proc.device),
-                                        minlength=proc.shape[1]).to(proc.dtype)
-                proc[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(proc.dtype)
+    def _apply_penalties(self, proc: torch.Tensor, seqs: list[Sequence], rows: list[int], par: torch.Tensor) -> None:
+        """Repetition (over prompt + output), then frequency and presence (over the output) penalties, for the
+        rows ``rows`` of ``proc`` (their sequences ``seqs``), in one scatter each."""
+        dev, cols = proc.device, proc.shape[1]
+        ri = torch.tensor(rows, device=dev)
+        p = par[ri]
+        sub = proc[ri]
+        rep = p[:, _REP:_REP + 1]
+        if bool((rep != 1.0).any()):
+            ids = _padded([s.all_ids for s in seqs], cols, dev)
+            seen = torch.zeros(len(rows), cols + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :cols]
+            seen &= rep != 1.0
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq, pres = p[:, _FREQ:_FREQ + 1], p[:, _PRES:_PRES + 1]
+        if bool(((freq != 0) | (pres != 0)).any()):
+            ids = _padded([s.output_ids for s in seqs], cols, dev)
+            counts = torch.zeros(len(rows), cols + 1, dtype=proc.dtype, device=dev).scatter_add_(
+                1, ids, torch.ones(ids.shape, dtype=proc.dtype, device=dev))[:, :cols]
+            sub = sub - (freq * counts + pres * (counts > 0).to(proc.dtype))
+        proc[ri] = sub
 
-    def _sample(self, proc: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, proc: torch.Tensor, seqs: list[Sequence], par: torch.Tensor) -> torch.Tensor:
         dev = proc.device
-        temps = torch.tensor([s.sampling.temperature for s in seqs], device=dev).unsqueeze(1)
-        x = proc / temps
-        top_k = [s.sampling.top_k for s in seqs]
-        if any(k > 0 for k in top_k):
-            # min(): a top_k above the vocabulary keeps every token (and one above int64 no longer overflows)
-            kk = torch.tensor([min(k, x.shape[1]) if k > 0 else x.shape[1] for k in top_k], device=dev)
-            kth = x.sort(dim=-1, descending=True).values.gather(1, (kk - 1).clamp(max=x.shape[1] - 1).unsqueeze(1))
+        x = proc / par[:, _T:_T + 1]
+        kk = par[:, _TOPK].long()
+        if bool((kk > 0).any()):
+            vals = x.topk(int(kk.max()), dim=-1).values
+            kth = vals.gather(1, (kk - 1).clamp(min=0).unsqueeze(1))
+            kth = torch.where(kk.unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
             x = x.masked_fill(x < kth, float("-inf"))
         probs = torch.softmax(x, dim=-1)
-        min_p = torch.tensor([s.sampling.min_p for s in seqs], device=dev).unsqueeze(1)
-        if (min_p > 0).any():
+        min_p = par[:, _MINP:_MINP + 1]
+        if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        top_p = torch.tensor([s.sampling.top_p for s in seqs], device=dev).unsqueeze(1)
+        top_p = par[:, _TOPP:_TOPP + 1]
         order = None
-        if (top_p < 1).any():
+        if bool((top_p < 1).any()):
             probs, order = probs.sort(dim=-1, descending=True)
             mass_before = probs.cumsum(dim=-1) - probs
             probs = probs.masked_fill(mass_before >= top_p * probs.sum(-1, keepdim=True), 0.0)

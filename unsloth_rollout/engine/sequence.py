@@ -61,6 +61,9 @@ class Sequence:
         # and the oldest weight version among them.
         self.kv_stamp: tuple = ()
         self.kv_version = 0
+        # The KV incarnation: bumped by the core each time this sequence's KV is (re)computed (prefill, prefix
+        # share, recompute after preemption or a weight change). Decode workspace rows are keyed by it.
+        self.kv_epoch = 0
         seed = sampling.seed
         self.rng = random.Random(sample_stream_seed(seed, sample_index)) if seed is not None else None
         self.arrival_time = time.perf_counter()

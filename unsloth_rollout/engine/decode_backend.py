@@ -1,0 +1,161 @@
+"""Decode attention backends: where a decode step's keys and values come from.
+
+The paged pool (``KVCache``) is the source of truth for every cached position: prefill, prefix sharing,
+preemption and recompute all work on its blocks, and every decode step writes its new token there too.
+What a backend decides is how the decode step's attention *reads* each row's history:
+
+- ``"gather"``: index_select every row's whole history out of the pool into a fresh ``[B, H, L, D]`` tensor,
+  per layer, per step. O(batch x context) bytes copied every step; kept for the compiled (bucketed) decode
+  and as the reference.
+- ``"workspace"``: a persistent decode workspace per layer, laid out ``[rows, H, capacity, D]``, in which each
+  running sequence owns one row. Its history is copied in once, when it joins the decode batch; every step
+  then writes only the new token into its row (and into the pool) and attention reads the view
+  ``ws[:B, :, :L]`` in place. Rows are kept compacted: when a sequence leaves, the last row moves into the hole
+  (O(history) once per finish or preemption, not per step). No per-step copy of the history.
+
+A row is keyed by the sequence's id *and* its KV incarnation (``Sequence.kv_epoch``, bumped by the core each
+time the sequence's KV is computed or recomputed: after preemption or a weight change the row is refilled from
+the pool, never reused stale), and by its length (a row whose length is not the sequence's cached length is
+refilled too). A CUDA paged-attention kernel reading the pool's blocks in place (varlen with a block table)
+would be a third backend behind the same two calls: ``arrange`` and ``view``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import CacheView, KVCache
+
+DECODE_BACKENDS = ("gather", "workspace")
+
+
+class DecodeWorkspace:
+    """Per-layer ``[rows, H, capacity, D]`` key and value rows of the sequences now decoding."""
+
+    def __init__(self, cache: KVCache, min_capacity: int = 256):
+        self.cache = cache
+        self.min_capacity = min_capacity
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.keys: list[tuple] = []  # per row: (seq_id, kv_epoch)
+        self.lengths: list[int] = []  # per row: positions held (0 .. length-1)
+        self.fills = 0  # rows filled from the pool (joins), for tests and the profile
+        self.moves = 0  # rows moved to keep the rows compacted
+
+    @property
+    def rows(self) -> int:
+        return len(self.keys)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def release(self) -> None:
+        """Drop every row and free the tensors (offload; the pool keeps the KV)."""
+        self.k, self.v, self.keys, self.lengths = [], [], [], []
+
+    # ------------------------------------------------------------------ storage
+    def _ensure(self, rows: int, length: int) -> None:
+        c = self.cache
+        cur_r = self.k[0].shape[0] if self.k else 0
+        cur_c = self.k[0].shape[2] if self.k else 0
+        if rows <= cur_r and length <= cur_c:
+            return
+        new_r = max(rows, cur_r, 1)
+        if rows > cur_r:
+            new_r = max(rows, 2 * cur_r, 8)
+        new_c = cur_c
+        if length > cur_c:
+            new_c = max(length, 2 * cur_c, self.min_capacity)
+        # Zeros, not empty: masked keys past a row's length are multiplied by a zero weight, never NaN.
+        shape = (new_r, c.num_kv_heads, new_c, c.head_dim)
+        for store in (self.k, self.v):
+            for i in range(c.num_layers):
+                t = torch.zeros(shape, dtype=c.dtype, device=c.device)
+                if store and len(store) > i and self.rows:
+                    old = store[i]
+                    n = self.rows
+                    t[:n, :, :cur_c].copy_(old[:n])
+                if len(store) > i:
+                    store[i] = t
+                else:
+                    store.append(t)
+
+    def _fill(self, row: int, block_table: list[int], length: int) -> None:
+        """Copy a sequence's first ``length`` cached positions from the pool into ``row`` (once, when it joins)."""
+        if length == 0:
+            return
+        slots = torch.tensor(self.cache.slots(block_table, 0, length), device=self.cache.device)
+        for i in range(self.cache.num_layers):
+            self.k[i][row, :, :length].copy_(self.cache.k[i].index_select(0, slots).transpose(0, 1))
+            self.v[i][row, :, :length].copy_(self.cache.v[i].index_select(0, slots).transpose(0, 1))
+        self.fills += 1
+
+    def _move(self, src: int, dst: int) -> None:
+        n = self.lengths[src]
+        for store in (self.k, self.v):
+            for t in store:
+                t[dst, :, :n].copy_(t[src, :, :n])
+        self.keys[dst], self.lengths[dst] = self.keys[src], self.lengths[src]
+        self.moves += 1
+
+    def _drop_row(self, row: int) -> None:
+        last = self.rows - 1
+        if row != last:
+            self._move(last, row)
+        self.keys.pop()
+        self.lengths.pop()
+
+    # ------------------------------------------------------------------ the two calls
+    def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int]:
+        """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
+        arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i."""
+        want = {k: i for i, k in enumerate(keys)}
+        if len(want) != len(keys):
+            raise ValueError("decode batch holds the same sequence twice")
+        for r in range(self.rows - 1, -1, -1):  # leavers, stale incarnations and rows out of step
+            i = want.get(self.keys[r])
+            if i is None or self.lengths[r] != lengths[i]:
+                self._drop_row(r)
+        have = set(self.keys)
+        joiners = [i for i, k in enumerate(keys) if k not in have]
+        self._ensure(len(keys), max(lengths, default=0) + 1)
+        for i in joiners:
+            row = self.rows
+            self.keys.append(keys[i])
+            self.lengths.append(lengths[i])
+            self._fill(row, block_tables[i], lengths[i])
+        return [want[k] for k in self.keys]
+
+    def view(self, write_slots: torch.Tensor, lengths: torch.Tensor, key_len: int, ctx=None) -> "WorkspaceView":
+        """The cache view of a decode step over rows 0..B-1 (in ``arrange``'s order): the new token goes into the
+        pool (``write_slots``) and into each row at ``lengths[i]``; attention reads ``ws[:B, :, :key_len]``."""
+        self._ensure(self.rows, key_len)
+        return WorkspaceView(self, write_slots, lengths, key_len, ctx)
+
+    def advance(self) -> None:
+        """After a decode forward that wrote one token into every row."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+class WorkspaceView(CacheView):
+    def __init__(self, ws: DecodeWorkspace, write_slots: torch.Tensor, lengths: torch.Tensor, key_len: int, ctx):
+        super().__init__(ws.cache, write_slots, None, key_len, ctx)
+        self.ws = ws
+        self.row_index = torch.arange(lengths.shape[0], device=lengths.device)
+        self.positions = lengths
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        b, h, q, d = key_states.shape
+        assert q == 1, "the decode workspace takes one new token per row"
+        new_k = key_states[:, :, 0, :].to(kc.dtype)  # [B, H, D]
+        new_v = value_states[:, :, 0, :].to(vc.dtype)
+        kc.index_copy_(0, self.write_slots, new_k)
+        vc.index_copy_(0, self.write_slots, new_v)
+        wk, wv = self.ws.k[layer_idx], self.ws.v[layer_idx]
+        wk[self.row_index, :, self.positions] = new_k
+        wv[self.row_index, :, self.positions] = new_v
+        n = self._seq_length
+        keys, values = wk[:b, :, :n], wv[:b, :, :n]  # views: no copy of the history
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
