@@ -102,8 +102,9 @@ def qwen2_lora_policy(qwen2_dir):
     return p
 
 
-def run_staggered(engine, early: list, late: list, timeout: float = 300):
-    """Submit ``early``, wait until the engine decodes, then submit ``late`` (arrivals mid-decode).
+def run_staggered(engine, early: list, late: list, timeout: float = 300, preempt: bool = True):
+    """Submit ``early``, wait until the engine decodes, then submit ``late`` (arrivals mid-decode); with
+    ``preempt``, once those decode too, preempt everything running (KV freed, recomputed when readmitted).
     Returns (outputs per request in order, the engine's stats at the end)."""
     import time
 
@@ -112,5 +113,11 @@ def run_staggered(engine, early: list, late: list, timeout: float = 300):
     while engine.stats()["decode_tokens"] == 0 and time.time() < deadline:
         time.sleep(0.001)
     futs += [engine.submit(r) for r in late]
+    if preempt:  # a preemption whatever the timing: offload frees every running sequence's KV (recomputed later)
+        done = engine.stats()["decode_tokens"]
+        while engine.stats()["decode_tokens"] < done + len(late) and time.time() < deadline + 60:
+            time.sleep(0.001)
+        engine.offload()
+        engine.onload()
     outs = [f.result(timeout=timeout) for f in futs]
     return outs, engine.stats()
