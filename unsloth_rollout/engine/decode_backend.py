@@ -65,8 +65,8 @@ class DecodeWorkspace:
         if rows > cur_r:
             new_r = max(rows, 2 * cur_r, 8)
         new_c = cur_c
-        if length > cur_c:
-            new_c = max(length, 2 * cur_c, self.min_capacity)
+        if length > cur_c:  # grow by a quarter (amortized O(1) copies per token), in steps of 128 positions
+            new_c = -(-max(length, cur_c + cur_c // 4, self.min_capacity) // 128) * 128
         # Zeros, not empty: masked keys past a row's length are multiplied by a zero weight, never NaN.
         shape = (new_r, c.num_kv_heads, new_c, c.head_dim)
         for store in (self.k, self.v):
