@@ -29,6 +29,7 @@ from areal.api.cli_args import load_expr_config  # noqa: E402
 from shapes_agent.agent import ShapesAgent  # noqa: E402
 from shapes_agent.env import dataset  # noqa: E402
 from unsloth_rollout.areal.config import UnslothPPOConfig  # noqa: E402
+from unsloth_rollout.areal.grpo import record_history  # noqa: E402
 
 
 @dataclass
@@ -54,16 +55,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     agent = ShapesAgent(max_turns=config.agent_max_turns, max_tokens=config.agent_max_tokens,
                         image_size=config.image_size, temperature=config.gconfig.temperature)
-    history: list[dict[str, float]] = []
     with PPOTrainer(config, train_dataset=dataset(config.train_size, config.data_seed)) as trainer:
-        commit = trainer.stats_logger.commit
-
-        def record(epoch, step, global_step, data):
-            for d in (data if isinstance(data, list) else [data]):
-                history.append({"global_step": global_step, **d})
-            return commit(epoch, step, global_step, data)
-
-        trainer.stats_logger.commit = record
+        history = record_history(trainer)
         trainer.train(workflow=agent, workflow_kwargs=None)
     return history
 

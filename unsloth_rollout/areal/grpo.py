@@ -94,6 +94,20 @@ def build_dataset(dataset_config, split: str, tokenizer, processor) -> list[dict
                                  **kwargs)
 
 
+def record_history(trainer) -> list[dict[str, float]]:
+    """The stats of every step ``trainer`` commits, collected into the returned list as they are logged."""
+    history: list[dict[str, float]] = []
+    commit = trainer.stats_logger.commit
+
+    def record(epoch, step, global_step, data):
+        for d in (data if isinstance(data, list) else [data]):
+            history.append({"global_step": global_step, **d})
+        return commit(epoch, step, global_step, data)
+
+    trainer.stats_logger.commit = record
+    return history
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; returns the per-step statistics PPOTrainer logged (rewards, losses, timings; with dN
     averaged over the replicas, the same on every rank)."""
@@ -118,16 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         workflow_kwargs["processor"] = processor
     eval_kwargs = {**workflow_kwargs, "gconfig": config.eval_gconfig}
 
-    history: list[dict[str, float]] = []
     with PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid_ds) as trainer:
-        commit = trainer.stats_logger.commit
-
-        def record(epoch, step, global_step, data):
-            for d in (data if isinstance(data, list) else [data]):
-                history.append({"global_step": global_step, **d})
-            return commit(epoch, step, global_step, data)
-
-        trainer.stats_logger.commit = record
+        history = record_history(trainer)
         trainer.train(workflow=workflow, workflow_kwargs=workflow_kwargs,
                       eval_workflow=workflow if valid_ds is not None else None, eval_workflow_kwargs=eval_kwargs)
     return history
