@@ -222,3 +222,36 @@ def test_stream_rejects_bad_input_before_iteration_and_holds_back_stop_text(poli
     assert final.text == full.text[: full.text.index(cut)]
     assert "".join(d.text for d in deltas) == final.text
     engine.shutdown()
+
+
+def test_a_failing_prompt_in_a_packed_prefill_fails_alone(policy):
+    """Distinct prompts admitted together share one packed prefill forward; when it raises for one of them, the
+    others are prefilled again on their own and complete (checked against HF greedy), only that one fails."""
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)
+    bad = 3  # the prompt whose prefill raises
+    real = engine.runner.prefill_packed
+
+    def faulty(items, *args, **kwargs):
+        if any(len(ids) == len(policy.tokenizer.encode(PROMPTS[bad])) and list(ids) == policy.tokenizer.encode(
+                PROMPTS[bad]) for ids, *_ in items):
+            raise RuntimeError("injected prefill fault")
+        return real(items, *args, **kwargs)
+
+    engine.runner.prefill_packed = faulty
+    reqs = [GenerationRequest(input_ids=policy.tokenizer.encode(p), sampling=SamplingParams(max_new_tokens=6,
+                                                                                              temperature=0))
+            for p in PROMPTS[:5]]
+    engine.pause()  # all five are admitted in one step: one pack
+    futs = [engine.submit(r) for r in reqs]
+    engine.resume()
+    outs = [f.result(timeout=120)[0] for f in futs]
+    engine.shutdown()
+    assert "injected prefill fault" in (outs[bad].error or "") and outs[bad].finish_reason == "abort"
+    for i, (req, out) in enumerate(zip(reqs, outs)):
+        if i == bad:
+            continue
+        assert out.error is None
+        with torch.no_grad():
+            want = policy.model.generate(input_ids=torch.tensor([req.input_ids]), max_new_tokens=6,
+                                         do_sample=False)[0, len(req.input_ids):].tolist()
+        assert out.output_ids == want[:len(out.output_ids)] and (len(out.output_ids) == 6 or out.finish_reason == "stop")

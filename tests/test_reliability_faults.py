@@ -43,6 +43,14 @@ def _faulty_prefill(self, ids, *args, **kwargs):
         raise RuntimeError("injected fault (reliability test)")
     return _prefill(self, ids, *args, **kwargs)
 _runner.ModelRunner.prefill = _faulty_prefill
+_packed = _runner.ModelRunner.prefill_packed
+def _faulty_packed(self, items, *args, **kwargs):
+    for ids, *_ in items:
+        ids = list(ids)
+        if any(ids[i:i + 4] == {MAGIC!r} for i in range(len(ids) - 3)):
+            raise RuntimeError("injected fault (reliability test)")
+    return _packed(self, items, *args, **kwargs)
+_runner.ModelRunner.prefill_packed = _faulty_packed
 """
 TEXTS = ["Count to three.", "Name a colour.", "Say hello.", "What is two plus two?", "Tell me a story.",
          "Describe the sea in detail.", "List three fruits.", "Why is the sky blue?"]

@@ -235,22 +235,26 @@ class EngineCore:
                 todo[key] = (blocks, group[0])
             ready.append((group, key))
         failed: dict = {}
-        for i, pack in enumerate(packs := self._packs(todo)):
+        queue = self._packs(todo)
+        while queue:
+            pack = queue.pop(0)
             head = todo[pack[0]][1]
             items = [(todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)), todo[k][1].prompt)
                      for k in pack]
             try:
                 outs = self.runner.prefill_packed(items, head.lora_name)
+            except ModelNotServableError:
+                for k in [k for p in [pack] + queue for k in p]:  # never leak the blocks of prompts not computed
+                    kv.free(todo[k][0])
+                raise
             except Exception as e:
-                for later in packs[i:]:  # never leak the blocks of prompts not computed
-                    for k in later:
-                        if k not in failed:
-                            kv.free(todo[k][0])
-                            failed[k] = f"prefill failed: {type(e).__name__}: {e}"
-                if isinstance(e, ModelNotServableError):
-                    raise
+                if len(pack) > 1:  # one bad prompt must not fail the others packed with it: run each alone
+                    queue[:0] = [[k] for k in pack]
+                    continue
                 logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
-                break
+                kv.free(todo[pack[0]][0])
+                failed[pack[0]] = f"prefill failed: {type(e).__name__}: {e}"
+                continue
             self.stats["prefill_forwards"] += 1
             for k, (logits, delta) in zip(pack, outs):
                 blocks, h = todo[k]
