@@ -38,6 +38,7 @@ from areal.api.io_struct import DeviceRuntimeInfo
 from areal.utils import logging, name_resolve, names, stats_tracker
 from areal.utils.data import concat_padded_tensors
 
+from ..engine.inputs import mm_token_type_ids
 from ..models import PolicyModel, load_model
 
 logger = logging.getLogger("ColocatedTrainEngine")
@@ -297,11 +298,7 @@ class ColocatedTrainEngine(TrainEngine):
             kw["image_grid_thw"] = torch.cat([g.view(-1, 3) for g in grids], 0).to(dev)
         types = mb.get("mm_token_type_ids")
         if types is None:  # e.g. ArealOpenAI trajectories: derive from the placeholder tokens
-            types = torch.zeros_like(ids)
-            if getattr(cfg, "image_token_id", None) is not None:
-                types[ids == cfg.image_token_id] = 1
-            if getattr(cfg, "video_token_id", None) is not None:
-                types[ids == cfg.video_token_id] = 2
+            types = mm_token_type_ids(ids, cfg)
         kw["mm_token_type_ids"] = types.to(dev, torch.long)
         return kw
 

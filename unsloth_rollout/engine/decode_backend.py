@@ -146,16 +146,12 @@ class WorkspaceView(CacheView):
         self.positions = lengths
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        b, h, q, d = key_states.shape
+        b, q = key_states.shape[0], key_states.shape[2]
         assert q == 1, "the decode workspace takes one new token per row"
-        new_k = key_states[:, :, 0, :].to(kc.dtype)  # [B, H, D]
-        new_v = value_states[:, :, 0, :].to(vc.dtype)
-        kc.index_copy_(0, self.write_slots, new_k)
-        vc.index_copy_(0, self.write_slots, new_v)
+        self._write_pool(key_states, value_states, layer_idx)
         wk, wv = self.ws.k[layer_idx], self.ws.v[layer_idx]
-        wk[self.row_index, :, self.positions] = new_k
-        wv[self.row_index, :, self.positions] = new_v
+        wk[self.row_index, :, self.positions] = key_states[:, :, 0, :].to(wk.dtype)  # [B, H, D]
+        wv[self.row_index, :, self.positions] = value_states[:, :, 0, :].to(wv.dtype)
         n = self._seq_length
         keys, values = wk[:b, :, :n], wv[:b, :, :n]  # views: no copy of the history
         return keys.to(key_states.dtype), values.to(value_states.dtype)

@@ -124,11 +124,17 @@ class CacheView:
             self.ctx.record_write(layer_idx, keys)
         return keys, values
 
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+    def _write_pool(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Scatter the new tokens' keys/values ([B, H, Q, D]) into their slots of the paged pool."""
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         b, h, q, d = key_states.shape
         kc.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * q, h, d).to(kc.dtype))
         vc.index_copy_(0, self.write_slots, value_states.transpose(1, 2).reshape(b * q, h, d).to(vc.dtype))
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        self._write_pool(key_states, value_states, layer_idx)
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        h, d = key_states.shape[1], key_states.shape[3]
         if self.gather_index is None:
             return key_states, value_states
         # index_select on the flat index: several times faster on CPU than advanced indexing kc[idx].

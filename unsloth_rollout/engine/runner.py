@@ -65,7 +65,6 @@ class ModelRunner:
         self.device = policy.device
         cfg = policy.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
-        self.video_token_id = getattr(cfg, "video_token_id", None)
         # M-RoPE (Qwen-VL): the model computes 3-D positions with get_rope_index; other VLMs use 1-D positions.
         self._rope_index = self._find_rope_index() if policy.is_vlm else None
         self.mrope = self._rope_index is not None
@@ -166,13 +165,26 @@ class ModelRunner:
         outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
         input_ids = torch.tensor([ids], device=self.device)
         position_ids, delta, mm = self._prompt_inputs(ids, prompt)
-        block = None
-        if self.image_blocks and self.image_token_id is not None:
-            block = image_block_ids(input_ids, self.image_token_id)
+        block = self._image_blocks(input_ids)
         ctx = ForwardContext.prefill(len(ids), self.device, block)
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
+
+    def _image_blocks(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Image-block ids for the prefill mask of families whose image tokens attend bidirectionally."""
+        if self.image_blocks and self.image_token_id is not None:
+            return image_block_ids(input_ids, self.image_token_id)
+        return None
+
+    def _decode_inputs(self, tokens: list[int], lengths: list[int], deltas: list[int]):
+        """(input_ids [B, 1], positions [B, 1] or M-RoPE [3, B, 1], lengths [B]) of a decode step's rows."""
+        dev, b = self.device, len(tokens)
+        lens_t = torch.tensor(lengths, device=dev)
+        pos = lens_t.view(b, 1)
+        if self.mrope:
+            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
+        return torch.tensor(tokens, device=dev).view(b, 1), pos, lens_t
 
     def can_pack(self, prompt) -> bool:
         """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
@@ -210,9 +222,7 @@ class ModelRunner:
         mm = {}
         if pixels:
             mm = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
-        block = None
-        if self.image_blocks and self.image_token_id is not None:
-            block = image_block_ids(input_ids, self.image_token_id)
+        block = self._image_blocks(input_ids)
         pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
         ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
         view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)
@@ -257,11 +267,7 @@ class ModelRunner:
         dev = self.device
         gather_t = torch.from_numpy(gather).to(dev)
         write_t = torch.from_numpy(write).to(dev)
-        lens_t = torch.tensor(lengths, device=dev)
-        pos = lens_t.view(b, 1)
-        if self.mrope:
-            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
-        input_ids = torch.tensor(tokens, device=dev).view(b, 1)
+        input_ids, pos, lens_t = self._decode_inputs(tokens, lengths, deltas)
         if static:
             return self._compiled(input_ids, pos, lens_t, write_t, gather_t)[:n_rows]
         ctx = ForwardContext.decode(lens_t, lmax)
@@ -273,16 +279,10 @@ class ModelRunner:
         if ws.keys != list(keys) or ws.lengths != list(lengths):
             raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
         bs = self.kv.block_size
-        b = len(tokens)
-        dev = self.device
         write = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, lengths)]
-        write_t = torch.tensor(write, device=dev)
-        lens_t = torch.tensor(lengths, device=dev)
+        write_t = torch.tensor(write, device=self.device)
+        input_ids, pos, lens_t = self._decode_inputs(tokens, lengths, deltas)
         lmax = max(lengths) + 1
-        pos = lens_t.view(b, 1)
-        if self.mrope:
-            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
-        input_ids = torch.tensor(tokens, device=dev).view(b, 1)
         ctx = ForwardContext.decode(lens_t, lmax)
         view = ws.view(write_t, lens_t, lmax, ctx)
         logits = self._forward(input_ids, pos, ctx, view, names)
