@@ -144,3 +144,46 @@ def test_parse_bytes_is_the_one_memory_unit():
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("12 parsecs")
+
+
+def test_long_workload(tmp_path):
+    """`--workload long`: the gather backend reads the paged pool through an index every step, the workspace
+    never does; the KV bytes a step attends to follow the model's own dimensions; logprobs at the long context
+    match a teacher-forced forward (<= 1e-5)."""
+    out = tmp_path / "long.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_rollout.bench", "--workload", "long", "--model", "tiny-lm", "--batch", "3",
+         "--contexts", "24,160", "--steps", "3", "--drift-samples", "2", "--json", str(out), "--markdown",
+         str(tmp_path / "long.md"), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    from transformers import AutoConfig
+
+    from unsloth_rollout.bench.harness import model_path
+
+    cfg = AutoConfig.from_pretrained(model_path("tiny-lm")).get_text_config()
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert report["kv_bytes_per_token"] == per_token
+    rows = {(r["backend"], r["context"]): r for r in report["rows"]}
+    assert set(rows) == {("workspace", 24), ("workspace", 160), ("gather", 24), ("gather", 160)}
+    for (backend, ctx), r in rows.items():
+        assert r["kv_bytes_per_step"] == per_token * 3 * (ctx + 3)
+        assert (r["pool_index_ops_per_step"] == 0) == (backend == "workspace"), r
+        assert r["drift_samples_checked"] == 2 and r["logprob_drift"] <= 1e-5, r
+        assert r["decode_tok_s"] > 0 and len(r["step_ms_all"]) == 3
+    assert set(report["summary"]) == {"workspace", "gather"}
+    md = (tmp_path / "long.md").read_text()
+    assert "| workspace | 160 |" in md and "goal <= 1.5x" in md
+
+
+def test_long_workload_rejects_bad_arguments(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    for args, field in ((["--contexts", "64"], "--contexts"), (["--backends", "engine"], "--backends"),
+                        (["--batch", "0"], "--batch")):
+        proc = subprocess.run([sys.executable, "-m", "unsloth_rollout.bench", "--workload", "long", "--model",
+                               "tiny-lm", *args, "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert field in proc.stderr, (args, proc.stderr[-2000:])

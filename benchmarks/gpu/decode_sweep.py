@@ -27,7 +27,8 @@ import time
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
-from unsloth_rollout.bench.harness import _perturb_lora, copy_bandwidth_gbs, machine_info, text_weights
+from unsloth_rollout.bench.harness import copy_bandwidth_gbs, machine_info, text_weights
+from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.engine.config import parse_bytes
 from unsloth_rollout.engine.runner import _text_dims
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = load_model(args.model, backend="transformers", dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         lora={"r": args.lora_rank, "random_state": 0} if args.lora_rank else None)
     if args.lora_rank:
-        _perturb_lora(policy, 0)
+        perturb_lora(policy.model, std=0.02, seed=0)
     policy.inference()
     device = policy.device
     wbytes, _, _ = text_weights(policy)

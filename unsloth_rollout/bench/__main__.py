@@ -15,6 +15,7 @@ import warnings
 
 from .backends import BACKENDS
 from .harness import MODELS
+from .long import LONG_DEFAULTS
 from .workloads import SHAPES, WORKLOADS
 
 from ..engine.config import parse_bytes
@@ -27,15 +28,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers continuous batching, vLLM and SGLang, on identical seeded requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="small-vlm", help=f"one of {', '.join(MODELS)}, or a model folder")
-    p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl"),
-                   help="trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path")
+    p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl", "long"),
+                   help="trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path; "
+                        "long: engine decode tok/s as the context grows (--contexts, --batch, --steps)")
     g = SHAPES["grpo"]
     p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")
     p.add_argument("--group", type=int, default=None, help=f"samples per prompt (grpo default {g.group})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help="comma-separated; those that cannot run here are listed with the reason")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated; those that cannot run here are listed with the reason (default "
+                        f"{','.join(BACKENDS)}; for --workload long the engine's decode backends "
+                        f"{','.join(LONG_DEFAULTS['backends'])})")
+    p.add_argument("--contexts", default=",".join(map(str, LONG_DEFAULTS["contexts"])),
+                   help="--workload long: prompt lengths (tokens) to decode at")
+    p.add_argument("--batch", type=int, default=LONG_DEFAULTS["batch"],
+                   help="--workload long: sequences decoding at once")
+    p.add_argument("--steps", type=int, default=LONG_DEFAULTS["steps"],
+                   help="--workload long: timed decode steps per context")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (random, non-zero B); 0 = no LoRA")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: float32 on CPU, bfloat16 on GPUs that have it)")
@@ -82,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     if args.workload == "trl":
         return _main_trl(args)
+    if args.workload == "long":
+        return _main_long(args)
+    if args.backends is None:
+        args.backends = ",".join(BACKENDS)
     try:
         report = run_bench(
             model=args.model, workload=args.workload, prompts=args.prompts, group=args.group,
@@ -113,6 +127,22 @@ def _main_trl(args) -> int:
                            temperature=args.temperature, repeats=args.repeats,
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                            progress=not args.no_progress)
+    _report(args, report, markdown(report))
+    return 0
+
+
+def _main_long(args) -> int:
+    from .long import markdown, run_long
+
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        backends = [b.strip() for b in (args.backends or ",".join(LONG_DEFAULTS["backends"])).split(",") if b.strip()]
+        report = run_long(model=args.model, batch=args.batch, contexts=contexts, steps=args.steps,
+                          backends=backends, lora=args.lora_rank, seed=args.seed, drift_samples=args.drift_samples,
+                          progress=not args.no_progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     _report(args, report, markdown(report))
     return 0
 

@@ -177,6 +177,16 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # SDPA, as transformers' sdpa path computes it (which ignores softcap), reading K/V with native GQA.
     fast = ctx.causal_fast_path and window is None
     mask = None if fast else ctx.mask(window)
+    b, h, q, d = query.shape
+    kvh = key.shape[1]
+    if q == 1 and kvh != h and mask is not None:
+        # One query per row (decode): the G = H / KV query heads that share a KV head become G query rows of
+        # that head, so each row's history is read once per KV head, in place. With a mask, SDPA's own GQA
+        # on CPU expands K/V per query head (H / KV times the history's bytes per step). Same dot products,
+        # same softmax, per query: query head i reads KV head i // G, as transformers' repeat_kv maps them.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
+        return out.view(b, 1, h, d), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
         enable_gqa=key.shape[1] != query.shape[1])
