@@ -247,3 +247,40 @@ def test_batched_penalties_and_bans_equal_a_per_row_reference():
     res = Sampler(vocab, [eos], [], seed=0)(logits, seqs)
     assert res.tokens == want
     assert res.tokens[5] == eos or res.tokens[5] in (3, 11)  # ignore_eos and no stop ids: nothing banned
+
+
+def test_sequences_recomputed_after_a_weight_change_share_one_forward(qwen2_dir):
+    """A weight change mid-generation puts every running sequence back to be recomputed (prompt + output so far);
+    the resumed sequences run in one packed forward, and what they decode next is what HF greedy generate()
+    continues with from the same tokens under the new weights."""
+    policy = load_model(qwen2_dir, backend="transformers")
+    core = _core(policy, "workspace")
+    tok = policy.tokenizer
+    prompts = [tok.encode("alice counts apples " * (1 + i)) for i in range(4)]
+    seqs = []
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+        seqs.append(Sequence(f"r{i}", 0, PreparedPrompt(ids), sp))
+        core.add(seqs[-1])
+    while min(len(s.output_ids) for s in seqs) < 5:
+        core.step()
+    before = [list(s.output_ids) for s in seqs]
+    with torch.no_grad():  # new weights: every layer's o_proj scaled (greedy continuations change)
+        for name, p in policy.model.named_parameters():
+            if name.endswith("o_proj.weight"):
+                p.mul_(1.5)
+    core.weights.bump(1, None)
+    forwards, recomputes = core.stats["prefill_forwards"], core.stats["weight_recomputes"]
+    core.step()
+    assert core.stats["weight_recomputes"] - recomputes == 4
+    assert core.stats["prefill_forwards"] - forwards == 1, "the four recomputes must share one forward"
+    while core.scheduler.has_work():
+        core.step()
+    for s, done in zip(seqs, before):
+        assert s.output_ids[: len(done)] == done
+        ids = torch.tensor([s.prompt_ids + done])
+        ref = policy.model.generate(ids, max_new_tokens=14 - len(done), min_new_tokens=14 - len(done),
+                                    do_sample=False)[0, ids.shape[1]:]
+        assert s.output_ids[len(done):] == ref.tolist()
+        lp, _ = teacher_forced_logprobs(policy, s.prompt_ids + done, s.output_ids[len(done):])
+        assert (lp - torch.tensor(s.output_logprobs[len(done):])).abs().max() <= 1e-5

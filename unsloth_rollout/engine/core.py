@@ -138,9 +138,9 @@ class EngineCore:
                 if plan.decode:
                     produced += self._decode(plan.decode, version)
                 fresh = [g for g in plan.prefill_groups if not g[0].output_ids]
-                for group in plan.prefill_groups:
-                    if group[0].output_ids:  # resumed after preemption: recompute prompt + output privately
-                        produced += self._prefill(group, version, stamp_of)
+                resumed = [g[0] for g in plan.prefill_groups if g[0].output_ids]
+                if resumed:  # after preemption or a weight change: recompute prompt + output privately
+                    produced += self._recompute(resumed, version, stamp_of)
                 if fresh:
                     produced += self._prefill_groups(fresh, version, stamp_of)
         self.stats["steps"] += 1
@@ -167,44 +167,71 @@ class EngineCore:
                 sch.preempt(s, count=False)
                 self.stats["weight_recomputes"] += 1
 
-    def _prefill(self, group: list[Sequence], version: int, stamp_of) -> int:
-        """Recompute a resumed sequence (prompt + its output so far) privately."""
-        try:
-            return self._recompute(group[0], version, stamp_of)
-        except ModelNotServableError:
-            raise
-        except Exception as e:
-            logger.exception("unsloth_rollout: prefill failed for request %s", group[0].request_id)
-            for s in group:
-                if not s.finished:
-                    self.finish(s, "abort", error=f"prefill failed: {type(e).__name__}: {e}")
-            return 0
+    def _recompute(self, seqs: list[Sequence], version: int, stamp_of) -> int:
+        """Recompute resumed sequences (prompt + output so far, each into its own blocks), packed into as few
+        forwards as the budget allows; one sampler call for all of them."""
+        sch, kv = self.scheduler, self.kv
+        todo = {}
+        for s in seqs:
+            blocks = sch.allocate(sch.blocks_for(s.num_tokens))
+            if blocks is None:
+                sch.preempt(s, count=False)
+                continue
+            s.block_table = blocks
+            todo[s.seq_id] = s
+        done, failed = self._run_packs(
+            self._packs([(k, s, s.num_tokens) for k, s in todo.items()]),
+            item=lambda k: (todo[k].all_ids, kv.slots(todo[k].block_table, 0, todo[k].num_tokens), todo[k].prompt),
+            head=lambda k: todo[k], release=lambda k: None)  # finish() frees a failed one's blocks
+        for k, error in failed.items():
+            self.finish(todo[k], "abort", error=error)
+        ready, rows = [], []
+        for k, (logits, delta) in done.items():
+            s = todo[k]
+            s.num_cached, s.rope_delta = s.num_tokens, delta
+            s.kv_stamp, s.kv_version = stamp_of(s.lora_name), version
+            s.kv_epoch += 1
+            self.stats["prefill_tokens"] += s.num_tokens
+            self.stats["prefills"] += 1
+            ready.append(s)
+            rows.append(logits)
+        return self._sample(ready, torch.stack(rows), version) if ready else 0
 
-    def _recompute(self, seq: Sequence, version: int, stamp_of) -> int:
-        sch = self.scheduler
-        blocks = sch.allocate(sch.blocks_for(seq.num_tokens))
-        if blocks is None:
-            sch.preempt(seq, count=False)
-            return 0
-        seq.block_table = blocks
-        logits, delta = self.runner.prefill(seq.all_ids, self.kv.slots(blocks, 0, seq.num_tokens), seq.prompt,
-                                            seq.lora_name)
-        seq.num_cached, seq.rope_delta = seq.num_tokens, delta
-        seq.kv_stamp, seq.kv_version = stamp_of(seq.lora_name), version
-        seq.kv_epoch += 1
-        self.stats["prefill_tokens"] += seq.num_tokens
-        self.stats["prefills"] += 1
-        self.stats["prefill_forwards"] += 1
-        return self._sample([seq], logits.unsqueeze(0), version)
+    def _run_packs(self, packs: list[list], item, head, release) -> tuple[dict, dict]:
+        """Run each pack of keys in one packed prefill forward (``item(key)``: (ids, slots, prompt); ``head(key)``:
+        the sequence it is computed for (adapter, request id); ``release(key)``: free what a key holds when it will
+        not be computed).
+        Returns ({key: (logits, rope_delta)}, {key: error}). A pack that raises is retried one prompt at a time,
+        so a bad prompt fails alone; ModelNotServableError propagates (after releasing every key not computed)."""
+        done, failed = {}, {}
+        queue = list(packs)
+        while queue:
+            pack = queue.pop(0)
+            try:
+                outs = self.runner.prefill_packed([item(k) for k in pack], head(pack[0]).lora_name)
+            except ModelNotServableError:
+                for k in [k for p in [pack] + queue for k in p]:
+                    release(k)
+                raise
+            except Exception as e:
+                if len(pack) > 1:
+                    queue[:0] = [[k] for k in pack]
+                    continue
+                logger.exception("unsloth_rollout: prefill failed for request %s", head(pack[0]).request_id)
+                release(pack[0])
+                failed[pack[0]] = f"prefill failed: {type(e).__name__}: {e}"
+                continue
+            self.stats["prefill_forwards"] += 1
+            done.update(zip(pack, outs))
+        return done, failed
 
-    def _packs(self, todo: dict) -> list[list]:
-        """The prompts to prefill, in packed forwards: same adapter, packable vision inputs, at most
-        ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
+    def _packs(self, items: list[tuple]) -> list[list]:
+        """``items``: (key, sequence, tokens) to prefill, in packed forwards: same adapter, packable vision inputs,
+        at most ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
         packs, open_by_adapter = [], {}
         # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
         limit = min(self.config.max_prefill_tokens, PACK_MAX_TOKENS)
-        for key, (blocks, head) in todo.items():
-            n = len(head.prompt_ids)
+        for key, head, n in items:
             if not self.runner.can_pack(head.prompt):
                 packs.append([key])
                 continue
@@ -234,33 +261,16 @@ class EngineCore:
                     continue
                 todo[key] = (blocks, group[0])
             ready.append((group, key))
-        failed: dict = {}
-        queue = self._packs(todo)
-        while queue:
-            pack = queue.pop(0)
-            head = todo[pack[0]][1]
-            items = [(todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)), todo[k][1].prompt)
-                     for k in pack]
-            try:
-                outs = self.runner.prefill_packed(items, head.lora_name)
-            except ModelNotServableError:
-                for k in [k for p in [pack] + queue for k in p]:  # never leak the blocks of prompts not computed
-                    kv.free(todo[k][0])
-                raise
-            except Exception as e:
-                if len(pack) > 1:  # one bad prompt must not fail the others packed with it: run each alone
-                    queue[:0] = [[k] for k in pack]
-                    continue
-                logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
-                kv.free(todo[pack[0]][0])
-                failed[pack[0]] = f"prefill failed: {type(e).__name__}: {e}"
-                continue
-            self.stats["prefill_forwards"] += 1
-            for k, (logits, delta) in zip(pack, outs):
-                blocks, h = todo[k]
-                prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
-                self.stats["prefill_tokens"] += len(h.prompt_ids)
-                self.stats["prefills"] += 1
+        done, failed = self._run_packs(
+            self._packs([(k, head, len(head.prompt_ids)) for k, (_, head) in todo.items()]),
+            item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
+                            todo[k][1].prompt),
+            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
+        for k, (logits, delta) in done.items():
+            blocks, h = todo[k]
+            prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
+            self.stats["prefill_tokens"] += len(h.prompt_ids)
+            self.stats["prefills"] += 1
         seqs, rows = [], []
         for group, key in ready:
             if key in failed:
