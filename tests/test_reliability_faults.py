@@ -330,6 +330,8 @@ def _classify(x: dict) -> str:
                                                pytest.param(40, 80, marks=pytest.mark.slow, id="full")])
 def test_faults_under_load_lose_nothing(server, model_dir, adapter, n_requests, cycles, request):
     adapter_path, peft_model = adapter
+    # The server is shared by the variants: start each without the adapter its chaos script loads.
+    httpx.post(server.base + "/v1/unload_lora_adapter", json={"lora_name": LORA}, timeout=60)
     before = metrics(server.base)
     rss0 = server.rss()
     t0 = time.perf_counter()
