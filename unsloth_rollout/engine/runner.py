@@ -188,10 +188,15 @@ class ModelRunner:
 
     def can_pack(self, prompt) -> bool:
         """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
-        concatenate across prompts (Qwen-VL: flat patches + one grid row per image)."""
-        if getattr(prompt, "pixel_values", None) is None:
+        concatenate across prompts in prompt order: Qwen-VL (flat patches + one grid row per image), or one
+        ``[C, H, W]`` image per row and nothing else (Gemma 3, Llava). Families with per-prompt extras
+        (image_sizes, pixel_attention_mask, ...) prefill alone."""
+        pixels = getattr(prompt, "pixel_values", None)
+        if pixels is None:
             return True
-        return getattr(prompt, "image_grid_thw", None) is not None and not getattr(prompt, "extra", None)
+        if getattr(prompt, "extra", None):
+            return False
+        return getattr(prompt, "image_grid_thw", None) is not None or pixels.dim() == 4
 
     def prefill_packed(self, items: list[tuple[list[int], list[int], object]], adapter: str | None = None):
         """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``) in one forward: packed into one
@@ -212,7 +217,8 @@ class ModelRunner:
             deltas.append(delta)
             if "pixel_values" in mm:
                 pixels.append(mm["pixel_values"])
-                grids.append(mm["image_grid_thw"])
+                if "image_grid_thw" in mm:
+                    grids.append(mm["image_grid_thw"])
             all_ids += ids
             all_slots += slots
             seg += [i] * len(ids)
@@ -221,7 +227,11 @@ class ModelRunner:
         position_ids = torch.cat(positions, dim=-1)
         mm = {}
         if pixels:
-            mm = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+            if grids and len(grids) != len(pixels):
+                raise ValueError("prefill_packed: prompts with and without image grids")
+            mm = {"pixel_values": torch.cat(pixels)}  # in prompt order: the model fills image tokens in order
+            if grids:
+                mm["image_grid_thw"] = torch.cat(grids)
         block = self._image_blocks(input_ids)
         pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
         ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
