@@ -154,9 +154,10 @@ def test_offload_releases_the_workspace(qwen2_dir):
         [out] = engine.generate(GenerationRequest(input_ids=policy.tokenizer.encode("alice and bob"),
                                                   sampling=SamplingParams(max_new_tokens=8, temperature=0)))
         ws = engine.runner.workspace
-        assert ws.memory_bytes > 0
+        held = sum(t.numel() * t.element_size() for t in ws.k + ws.v)
+        assert held > 0 and engine.stats()["decode_workspace_bytes"] == held
         engine.offload()
-        assert ws.memory_bytes == 0 and ws.rows == 0
+        assert ws.memory_bytes == 0 and ws.rows == 0 and engine.stats()["decode_workspace_bytes"] == 0
         engine.onload()
         [again] = engine.generate(GenerationRequest(input_ids=policy.tokenizer.encode("alice and bob"),
                                                   sampling=SamplingParams(max_new_tokens=8, temperature=0)))

@@ -158,7 +158,10 @@ class EngineConfig:
         decode_backend: how decode attention reads the cached history (engine/decode_backend.py): "workspace"
             (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
-            The compiled decode always gathers.
+            The compiled decode always gathers. Memory: the workspace holds the running rows' history a second
+            time beside the pool, each row padded to the longest (``stats()["decode_workspace_bytes"]``; it
+            grows with the batch and never shrinks until ``offload()``): budget up to about twice
+            ``kv_cache_memory_bytes`` for KV in all, or use "gather" where memory is tighter than bandwidth.
     """
 
     kv_cache_memory_bytes: int | None = None

@@ -301,6 +301,7 @@ class RolloutEngine:
             num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self._inbox),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
             kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
+            decode_workspace_bytes=ws.memory_bytes if (ws := self.core.runner.workspace) is not None else 0,
             prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
             num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len)
         return s

@@ -547,8 +547,8 @@ def _metrics_text(state: ServerState) -> str:
                 "num_preemptions", "prefix_cache_hits"):
         if key in s:
             metric(f"unsloth_rollout_engine_{key}_total", "counter", f"Engine counter {key}.", [(label, s[key])])
-    for key in ("version", "paused", "kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "prefix_cache_entries",
-                "max_model_len"):
+    for key in ("version", "paused", "kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "decode_workspace_bytes",
+                "prefix_cache_entries", "max_model_len"):
         if key in s:
             metric(f"unsloth_rollout_engine_{key}", "gauge", f"Engine gauge {key}.", [(label, s[key])])
     metric("unsloth_rollout_uptime_seconds", "gauge", "Seconds since the app was built.",
