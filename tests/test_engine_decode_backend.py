@@ -166,7 +166,7 @@ def test_offload_releases_the_workspace(qwen2_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl", "gemma3", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl", "gemma3", "llava", "mistral3", "idefics3", "qwen3_vl"])
 def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
     """Distinct prompts of different lengths (images of different sizes, M-RoPE rows; Gemma 3's bidirectional
     image blocks) prefilled in one packed forward give the logits, rope deltas and cached keys/values of
@@ -175,7 +175,7 @@ def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
     from unsloth_rollout import GenerationRequest
     from unsloth_rollout.testing.vlm_families import vlm_family_path
 
-    path = vlm_family_path(arch) if arch in ("gemma3", "llava") else model_dirs[arch]
+    path = model_dirs[arch] if arch in ("qwen2", "qwen2_5_vl") else vlm_family_path(arch)
     policy = load_model(path, backend="transformers")
     core = _core(policy, "workspace")
     words = "alice bob counts twelve red apples at the market".split()
@@ -204,7 +204,7 @@ def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
             for i in range(kv.num_layers):
                 assert (kv.k[i][torch.tensor(slots)] - cached[i][0]).abs().max() <= 1e-5
                 assert (kv.v[i][torch.tensor(slots)] - cached[i][1]).abs().max() <= 1e-5
-    if arch == "qwen2_5_vl":
+    if arch in ("qwen2_5_vl", "qwen3_vl"):
         assert any(d != 0 for _, d in packed), "M-RoPE rows with images have a non-zero rope delta"
 
 

@@ -125,16 +125,21 @@ def profiled_step(core) -> dict:
 
 
 def timed_shares(core, n: int) -> dict:
-    """Forward / sampler / rest shares summed over ``n`` plain (unprofiled) steps."""
+    """Sampler and sampler + bookkeeping (all but the forward) shares of ``n`` plain (unprofiled) steps: the
+    median over the steps of each step's own share."""
     fwd, smp = Timed(core.runner, "decode"), Timed(core, "sampler")
-    t = time.perf_counter()
+    sampler, rest = [], []
     for _ in range(n):
+        f0, s0 = fwd.total, smp.total
+        t = time.perf_counter()
         core.step()
-    total = time.perf_counter() - t
+        step = time.perf_counter() - t
+        sampler.append((smp.total - s0) / step)
+        rest.append((step - (fwd.total - f0)) / step)
     fwd.restore()
     smp.restore()
-    return {"sampler_share_unprofiled": smp.total / total,
-            "sampler_plus_bookkeeping_share_unprofiled": (total - fwd.total) / total}
+    return {"sampler_share_unprofiled": statistics.median(sampler),
+            "sampler_plus_bookkeeping_share_unprofiled": statistics.median(rest)}
 
 
 def logprob_drift(policy, core, k: int) -> float | None:
@@ -199,7 +204,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
              "step_ms_all": [round(1000 * x, 2) for x in times[cfg]], "decode_tok_s": batch / med,
              "kv_bytes_per_step": per_token * batch * (ctx + steps), "kv_read_ms": kv_read_ms(core)}
         r.update(profiled_step(core))
-        r.update(timed_shares(core, 4))
+        r.update(timed_shares(core, 8))
         r["logprob_drift"] = logprob_drift(policy, core, drift_samples) if drift_samples else None
         r["drift_samples_checked"] = min(drift_samples, len(core.sequences()))
         rows.append(r)

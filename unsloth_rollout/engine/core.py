@@ -83,9 +83,11 @@ class WeightsClock:
         self.version = 0
         self._epoch = 0
         self._adapters: dict[str, int] = {}
+        self._changes = 0  # bumps so far: a step only looks for stale KV when this moved
 
     def bump(self, version: int | None, lora_name: str | None) -> None:
         with self._lock:
+            self._changes += 1
             if lora_name is None:
                 self._epoch += 1
             else:
@@ -95,9 +97,13 @@ class WeightsClock:
 
     def snapshot(self):
         """(version, stamp_of(lora_name)) as of now."""
+        return self.state()[:2]
+
+    def state(self):
+        """(version, stamp_of(lora_name), number of changes so far), read together."""
         with self._lock:
-            version, epoch, adapters = self.version, self._epoch, dict(self._adapters)
-        return version, lambda name: (epoch, adapters.get(name, 0))
+            version, epoch, adapters, changes = self.version, self._epoch, dict(self._adapters), self._changes
+        return version, lambda name: (epoch, adapters.get(name, 0)), changes
 
 
 class EngineCore:
@@ -118,6 +124,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.weights = WeightsClock()
+        self._changes_applied = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
 
@@ -131,8 +138,8 @@ class EngineCore:
         policy = self.policy
         # The mode switch walks every module: only when a trainer left the policy in training mode.
         with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
-            version, stamp_of = self.weights.snapshot()
-            self.apply_weight_changes(stamp_of)
+            version, stamp_of, changes = self.weights.state()
+            self.apply_weight_changes(stamp_of, changes)
             plan = self._schedule()
             if plan is not None:
                 if plan.decode:
@@ -155,17 +162,20 @@ class EngineCore:
             self.fail_all(f"scheduling failed: {type(e).__name__}: {e}")
             return None
 
-    def apply_weight_changes(self, stamp_of) -> None:
+    def apply_weight_changes(self, stamp_of, changes: int) -> None:
         """Drop prefix entries computed by other weights and, by default, put every sequence whose KV was
-        computed by other weights back in line to be recomputed (as preemption does)."""
+        computed by other weights back in line to be recomputed (as preemption does). ``changes``: the
+        clock's count of weight changes with ``stamp_of``; nothing to look at when it has not moved."""
+        if changes == self._changes_applied:
+            return
         sch = self.scheduler
         sch.prefix.drop_stale(stamp_of)
-        if not self.config.recompute_on_weight_change:
-            return
-        for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
-            if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
-                sch.preempt(s, count=False)
-                self.stats["weight_recomputes"] += 1
+        if self.config.recompute_on_weight_change:
+            for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
+                if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
+                    sch.preempt(s, count=False)
+                    self.stats["weight_recomputes"] += 1
+        self._changes_applied = changes
 
     def _recompute(self, seqs: list[Sequence], version: int, stamp_of) -> int:
         """Recompute resumed sequences (prompt + output so far, each into its own blocks), packed into as few

@@ -151,7 +151,7 @@ class RolloutEngine:
             self._cond.notify_all()
         if self._step_lock.acquire(blocking=False):
             try:
-                self.core.apply_weight_changes(self.core.weights.snapshot()[1])
+                self.core.apply_weight_changes(*self.core.weights.state()[1:])
             finally:
                 self._step_lock.release()
 

@@ -43,6 +43,42 @@ def _text_dims(cfg) -> tuple[int, int, int]:
     return layers, kv, head_dim
 
 
+# Families whose processor outputs concatenate across prompts along a known image dimension (the model fills
+# image tokens in order). Mistral 3 pads each prompt's images to its largest and crops them back by image_sizes;
+# Idefics3's crops are one fixed size, counted by pixel_attention_mask.
+PACK_DIMS = {
+    "mistral3": {"pixel_values": 0, "image_sizes": 0},
+    "idefics3": {"pixel_values": 1, "pixel_attention_mask": 1},
+}
+
+
+def concat_vision_inputs(mms: list[dict], dims: dict | None) -> dict:
+    """One forward's vision inputs from several prompts' (in prompt order). Qwen-VL: flat patches and grid
+    rows; one-image-per-row pixels: along rows (equal shapes, else it raises and the prompts run alone);
+    ``dims`` (PACK_DIMS): each key along its image dimension, the trailing (spatial) dimensions zero-padded to
+    the largest, as the family's processor pads the images of one batch."""
+    keys = set(mms[0])
+    if any(set(m) != keys for m in mms):
+        raise ValueError("prefill_packed: prompts with different vision inputs")
+    out = {}
+    for k in keys:
+        ts = [m[k] for m in mms]
+        d = (dims or {}).get(k, 0)
+        if dims is not None and k not in dims:
+            raise ValueError(f"prefill_packed: no image dimension known for {k!r}")
+        if dims is not None and ts[0].dim() > d + 1:  # pad the dimensions after the image one to a common size
+            size = [max(t.shape[j] for t in ts) for j in range(d + 1, ts[0].dim())]
+            padded = []
+            for t in ts:
+                pad = []
+                for j in reversed(range(d + 1, t.dim())):
+                    pad += [0, size[j - d - 1] - t.shape[j]]
+                padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+            ts = padded
+        out[k] = torch.cat(ts, dim=d)
+    return out
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     """Next power of two: a handful of decode shapes, so a compiled step is reused."""
     b = minimum
@@ -69,7 +105,8 @@ class ModelRunner:
         self._rope_index = self._find_rope_index() if policy.is_vlm else None
         self.mrope = self._rope_index is not None
         # Image tokens that attend bidirectionally within their image in prefill (Gemma 3's token_type_ids).
-        self.image_blocks = getattr(cfg, "model_type", None) in BIDIRECTIONAL_IMAGE_FAMILIES
+        self.model_type = getattr(cfg, "model_type", None)
+        self.image_blocks = self.model_type in BIDIRECTIONAL_IMAGE_FAMILIES
         self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
         check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
         register()
@@ -188,13 +225,17 @@ class ModelRunner:
 
     def can_pack(self, prompt) -> bool:
         """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
-        concatenate across prompts in prompt order: Qwen-VL (flat patches + one grid row per image), or one
-        ``[C, H, W]`` image per row and nothing else (Gemma 3, Llava). Families with per-prompt extras
-        (image_sizes, pixel_attention_mask, ...) prefill alone."""
+        concatenate across prompts in prompt order: Qwen-VL (flat patches + one grid row per image), one
+        ``[C, H, W]`` image per row and nothing else (Gemma 3, Llava), or a family in ``PACK_DIMS`` whose
+        processor outputs all have a known image dimension (Mistral 3, Idefics3). Other prompts prefill alone."""
         pixels = getattr(prompt, "pixel_values", None)
         if pixels is None:
             return True
-        if getattr(prompt, "extra", None):
+        extra = getattr(prompt, "extra", None) or {}
+        rule = PACK_DIMS.get(self.model_type)
+        if rule is not None:
+            return set(extra) | {"pixel_values"} <= set(rule)
+        if extra:
             return False
         return getattr(prompt, "image_grid_thw", None) is not None or pixels.dim() == 4
 
@@ -208,30 +249,22 @@ class ModelRunner:
             return [self.prefill(ids, slots, prompt, adapter)]
         dev = self.device
         all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
-        pixels, grids = [], []
+        vision = []
         for i, (ids, slots, prompt) in enumerate(items):
             if not self.can_pack(prompt):
                 raise ValueError("prefill_packed: a prompt with non-concatenable vision inputs")
             pos, delta, mm = self._prompt_inputs(ids, prompt)
             positions.append(pos)
             deltas.append(delta)
-            if "pixel_values" in mm:
-                pixels.append(mm["pixel_values"])
-                if "image_grid_thw" in mm:
-                    grids.append(mm["image_grid_thw"])
+            if mm:
+                vision.append(mm)
             all_ids += ids
             all_slots += slots
             seg += [i] * len(ids)
             lasts.append(len(all_ids) - 1)
         input_ids = torch.tensor([all_ids], device=dev)
         position_ids = torch.cat(positions, dim=-1)
-        mm = {}
-        if pixels:
-            if grids and len(grids) != len(pixels):
-                raise ValueError("prefill_packed: prompts with and without image grids")
-            mm = {"pixel_values": torch.cat(pixels)}  # in prompt order: the model fills image tokens in order
-            if grids:
-                mm["image_grid_thw"] = torch.cat(grids)
+        mm = concat_vision_inputs(vision, PACK_DIMS.get(self.model_type)) if vision else {}
         block = self._image_blocks(input_ids)
         pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
         ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
