@@ -87,3 +87,54 @@ def test_stop_strings_truncate_text(setup):
     assert out.text == full_text[: full_text.index(stop)]
     assert out.output_ids == ref[: len(out.output_ids)] and len(out.output_ids) < MAX
     assert stop in tok.decode(out.output_ids, skip_special_tokens=True)
+
+
+def _family_tokenizer_paths():
+    from unsloth_rollout.testing.families import FAMILIES, family_model_path
+    from unsloth_rollout.testing.real import real_checkpoint_path
+    from unsloth_rollout.testing.tiny import tiny_model_path
+    from unsloth_rollout.testing.vlm_families import VLM_FAMILIES, vlm_family_path
+
+    paths = {"qwen2_5_vl": tiny_model_path("qwen2_5_vl"), "smollm2": real_checkpoint_path("smollm2-135m-instruct")}
+    paths.update({f: family_model_path(f) for f in FAMILIES})
+    paths.update({f: vlm_family_path(f) for f in VLM_FAMILIES})
+    return paths
+
+
+def test_incremental_text_is_the_full_decode_at_every_token():
+    """OutputProcessor.text (what stop strings and stream deltas read) decodes new tokens incrementally; at every
+    token it must equal tokenizer.decode of the whole output (the oracle), for every served family's tokenizer,
+    on random ids (special tokens, split multi-byte characters) and on real text, with and without
+    skip_special_tokens. On plain text the whole output is decoded only where a token holds bytes back."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from unsloth_rollout.engine.inputs import PreparedPrompt
+    from unsloth_rollout.engine.output import OutputProcessor
+    from unsloth_rollout.engine.sequence import Sequence
+
+    texts = ["Hello world, ", "naïve café ", "日本語のテキスト ", "😀 emoji ", "  spaces\n\nnew line"]
+    for name, path in _family_tokenizer_paths().items():
+        tok = AutoTokenizer.from_pretrained(path)
+        proc = OutputProcessor(tok, [], 1 << 20)
+        assert proc._backend is not None, name  # every served family's tokenizer streams
+        rng = random.Random(0)
+        for trial in range(40):
+            if trial % 2:
+                ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+            else:
+                ids = tok.encode(rng.choice(texts) * 3, add_special_tokens=False)
+            for skip in (True, False):
+                s = Sequence("r", 0, PreparedPrompt([1]), SamplingParams(skip_special_tokens=skip))
+                for t in ids:
+                    s.output_ids.append(t)
+                    assert proc.text(s) == tok.decode(s.output_ids, skip_special_tokens=skip), (name, s.output_ids)
+        calls = []
+        decode = tok.decode
+        tok.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+        s = Sequence("r", 0, PreparedPrompt([1]), SamplingParams())
+        for t in tok.encode("Alice and Bob count the red apples at the market. " * 8, add_special_tokens=False):
+            s.output_ids.append(t)
+            proc.text(s)
+        assert len(calls) <= 2, (name, len(calls))

@@ -11,14 +11,53 @@ from .request import StreamDelta
 from .sequence import Sequence
 
 
+def _stream_backend(tokenizer):
+    """The ``tokenizers`` backend whose DecodeStream can decode a fast tokenizer's output incrementally, or None
+    (slow tokenizers, and those whose decode cleans up spaces afterwards, are decoded whole)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return None
+    return backend if isinstance(backend, Tokenizer) else None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: list[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self._backend = _stream_backend(tokenizer)
+
+    def full_text(self, s: Sequence) -> str:
+        return self.tokenizer.decode(s.output_ids, skip_special_tokens=s.sampling.skip_special_tokens)
 
     def text(self, s: Sequence) -> str:
-        return self.tokenizer.decode(s.output_ids, skip_special_tokens=s.sampling.skip_special_tokens)
+        """``tokenizer.decode(output_ids)``, without decoding the whole output every token: the new tokens go
+        through the tokenizer's DecodeStream; while it holds bytes back (a character split across tokens, or a
+        token that adds no text) the whole output is decoded instead, so the result is always the full
+        decode's."""
+        if self._backend is None:
+            return self.full_text(s)
+        from tokenizers.decoders import DecodeStream
+
+        ids, st = s.output_ids, s.detok
+        if st is None or st[2] > len(ids):
+            st = s.detok = [DecodeStream(skip_special_tokens=s.sampling.skip_special_tokens), "", 0, True]
+        try:
+            for t in ids[st[2]:]:
+                piece = st[0].step(self._backend, t)
+                st[3] = piece is not None
+                if piece:
+                    st[1] += piece
+        except Exception:  # noqa: BLE001  (any stream failure: decode whole, from scratch next time)
+            s.detok = None
+            return self.full_text(s)
+        st[2] = len(ids)
+        return st[1] if st[3] else self.full_text(s)
 
     def check_stop(self, s: Sequence, tok: int):
         """(finish_reason, stop_reason) after ``tok`` was appended, or (None, None) to go on."""
@@ -53,7 +92,8 @@ class OutputProcessor:
 
     def finalize_text(self, s: Sequence) -> None:
         if not s.stop_text_truncated:
-            s.text = self.text(s)
+            s.text = self.full_text(s)
+        s.detok = None
 
     def delta(self, s: Sequence, sent_tokens: int, sent_chars: int, finished: bool):
         """The StreamDelta of what ``s`` has that was not sent yet (None when nothing is ready), with the new

@@ -53,6 +53,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.text = ""
+        self.detok = None  # incremental detokenizer state (OutputProcessor.text)
         # KV state: blocks holding this sequence's cached tokens, and how many tokens are cached.
         self.block_table: list[int] = []
         self.num_cached = 0
