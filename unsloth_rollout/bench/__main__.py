@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="small-vlm", help=f"one of {', '.join(MODELS)}, or a model folder")
     p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl", "long"),
-                   help="trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path; "
+                   help="grpo / chat / long-gen (long prompts and outputs): every backend on one request set; "
+                        "trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path; "
                         "long: engine decode tok/s as the context grows (--contexts, --batch, --steps)")
     g = SHAPES["grpo"]
     p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")

@@ -20,7 +20,7 @@ measured one-pass reads (``read_once_ratio``); the report prints both, so a step
 (``gather``) stands out from one that only reads it.
 
     python -m unsloth_rollout.bench --workload long --json benchmarks/cpu/long.json
-    PYTHONPATH=$PWD python benchmarks/profile_decode.py --json benchmarks/cpu/profile-decode.json   (same run)
+    PYTHONPATH=$PWD python benchmarks/profile_decode.py --json benchmarks/cpu/long.json   (the same run)
 """
 
 from __future__ import annotations

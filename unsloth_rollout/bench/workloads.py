@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKLOADS = ("grpo", "chat", "long")
+WORKLOADS = ("grpo", "chat", "long-gen")  # and, in the CLI, "trl" and "long" (bench/trl.py, bench/long.py)
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,10 @@ SHAPES = {
     "chat": WorkloadShape(prompts=64, group=1, max_new_tokens=128, prompt_median=160, prompt_sigma=0.8,
                           prompt_range=(16, 1536), output_median_frac=0.4, output_sigma=0.8, image_prob=0.5,
                           image_side=(56, 448)),
-    # Long: long prompts and long outputs (near the cap).
-    "long": WorkloadShape(prompts=4, group=4, max_new_tokens=512, prompt_median=1024, prompt_sigma=0.3,
-                          prompt_range=(256, 4096), output_median_frac=0.8, output_sigma=0.25, image_prob=1.0,
-                          image_side=(112, 448)),
+    # Long generations: long prompts and long outputs (near the cap), every backend.
+    "long-gen": WorkloadShape(prompts=4, group=4, max_new_tokens=512, prompt_median=1024, prompt_sigma=0.3,
+                              prompt_range=(256, 4096), output_median_frac=0.8, output_sigma=0.25, image_prob=1.0,
+                              image_side=(112, 448)),
 }
 
 
