@@ -119,7 +119,8 @@ class EngineCore:
         self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
-        suppress = self.inputs.vision_token_ids() if (policy.is_vlm and config.suppress_vision_tokens) else []
+        self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
+        suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
@@ -260,10 +261,16 @@ class EngineCore:
         sampler call for all members."""
         sch, prefix, kv = self.scheduler, self.scheduler.prefix, self.kv
         todo: dict = {}  # key -> (blocks, head): prompts to compute this step, in admission order
+        extend: dict = {}  # key -> (blocks, head, start): prompts that extend a cached prompt's KV
         ready = []
         for group in groups:
             key = prefix_key(group[0])
-            if key not in todo and prefix.lookup(key) is None:
+            if key not in todo and key not in extend and prefix.lookup(key) is None:
+                hit = self._extendable(group[0], stamp_of)
+                if hit is not None:
+                    extend[key] = hit
+                    ready.append((group, key))
+                    continue
                 blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
                 if blocks is None:  # memory went elsewhere this step: wait in line, first
                     for s in reversed(group):
@@ -281,6 +288,7 @@ class EngineCore:
             prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
             self.stats["prefill_tokens"] += len(h.prompt_ids)
             self.stats["prefills"] += 1
+        failed.update(self._extend_prefixes(extend, version, stamp_of))
         seqs, rows = [], []
         for group, key in ready:
             if key in failed:
@@ -293,7 +301,8 @@ class EngineCore:
                 for s in reversed(group):
                     sch.preempt(s, count=False)
                 continue
-            prefix.hits += len(group) - (1 if todo.pop(key, None) is not None else 0)
+            computed = todo.pop(key, None) is not None or extend.pop(key, None) is not None
+            prefix.hits += len(group) - (1 if computed else 0)
             for s in group:
                 own = []
                 if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
@@ -309,6 +318,55 @@ class EngineCore:
         if not seqs:
             return 0
         return self._sample(seqs, torch.stack(rows), version)
+
+    def _extendable(self, head: Sequence, stamp_of):
+        """(blocks, head, start) when ``head``'s prompt extends a cached prompt's KV (a next turn): its block
+        table is the cached prompt's full blocks, shared, plus new blocks for the rest, which the caller prefills
+        from ``start``. None when no cached prompt qualifies, the new tokens hold image placeholders (they need
+        their pixels), or memory is short (the prompt is then prefilled whole, as before)."""
+        sch, prefix = self.scheduler, self.scheduler.prefix
+        if not prefix.enabled:
+            return None
+        key = prefix_key(head)
+        hit = prefix.longest_prefix(key, stamp_of(head.lora_name))
+        if hit is None:
+            return None
+        hit_key, entry = hit
+        ids, bs = head.prompt_ids, self.kv.block_size
+        full = len(hit_key[0]) // bs
+        start = full * bs
+        if self._vision_ids and not self._vision_ids.isdisjoint(ids[start:]):
+            return None
+        new = sch.allocate(sch.blocks_for(len(ids)) - full, keep=hit_key)
+        if new is None:
+            return None
+        return self.kv.share(entry.blocks[:full]) + new, head, start
+
+    def _extend_prefixes(self, extend: dict, version: int, stamp_of) -> dict:
+        """Prefill each extending prompt from where its cached prefix ends; returns {key: error} of failures."""
+        prefix, kv, failed = self.scheduler.prefix, self.kv, {}
+        items = list(extend.items())
+        for i, (key, (blocks, head, start)) in enumerate(items):
+            n = len(head.prompt_ids)
+            try:
+                logits, delta = self.runner.prefill_continue(head.prompt_ids, start, kv.slots(blocks, 0, n),
+                                                             head.prompt, head.lora_name)
+            except ModelNotServableError:
+                for _, (b, _, _) in items[i:]:
+                    kv.free(b)
+                raise
+            except Exception as e:
+                logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
+                kv.free(blocks)
+                failed[key] = f"prefill failed: {type(e).__name__}: {e}"
+                continue
+            prefix.insert(key, PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name)))
+            prefix.partial_hits += 1
+            prefix.reused_tokens += start
+            self.stats["prefill_tokens"] += n - start
+            self.stats["prefills"] += 1
+            self.stats["prefill_forwards"] += 1
+        return failed
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:

@@ -1,7 +1,9 @@
 """PrefixCache: the KV of prompts already prefilled, shared by every later identical prompt.
 
 A GRPO group, or a request with n > 1, prefills its prompt once; each member then shares the full
-blocks by reference count and gets a private copy of the last, partial block. Entries are kept in
+blocks by reference count and gets a private copy of the last, partial block. A later prompt that
+extends a cached one (a conversation's next turn: same tokens, same images, then more text) shares
+the cached prompt's full blocks and prefills only the rest (``longest_prefix``). Entries are kept in
 LRU order, evicted first when memory runs short, and dropped when the weights that computed them
 change. This class is the only writer of the entries.
 """
@@ -37,6 +39,8 @@ class PrefixCache:
         self.enabled = enabled
         self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()
         self.hits = 0
+        self.partial_hits = 0  # prompts that extended a cached prompt's KV instead of prefilling from 0
+        self.reused_tokens = 0  # prompt tokens those prompts did not prefill again
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -49,6 +53,24 @@ class PrefixCache:
         if entry is not None:
             self.entries.move_to_end(key)
         return entry
+
+    def longest_prefix(self, key: tuple, stamp) -> tuple[tuple, PrefixEntry] | None:
+        """The cached prompt that is the longest proper prefix of ``key``'s tokens (same images, same adapter,
+        computed by the current weights ``stamp``) and spans at least one full block, or None.
+
+        Its full blocks hold exactly the KV a prefill of the longer prompt would compute for those positions
+        (each position depends only on the tokens up to it): a multi-turn conversation's next turn, or a prompt
+        that extends an earlier one, prefills only what follows them."""
+        ids, images, lora = key
+        best, best_n = None, self.kv.block_size - 1
+        for k, e in self.entries.items():
+            n = len(k[0])
+            if (best_n < n < len(ids) and k[2] == lora and k[1] == images and e.stamp == stamp
+                    and ids[n - 1] == k[0][-1] and ids[:n] == k[0]):
+                best, best_n = (k, e), n
+        if best is not None:
+            self.entries.move_to_end(best[0])
+        return best
 
     def insert(self, key, entry: PrefixEntry) -> None:
         self.entries[key] = entry

@@ -208,6 +208,24 @@ class ModelRunner:
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
+    def prefill_continue(self, ids: list[int], start: int, slots: list[int], prompt=None,
+                         adapter: str | None = None):
+        """Prefill positions ``start ..`` of a prompt whose first ``start`` positions are already in the pool
+        (``slots``: all of its positions): the new tokens attend to the cached ones through a gather, with the
+        positions (M-RoPE included) the whole prompt gives them. The new tokens must hold no image placeholders
+        (their pixels would be needed). Returns (logits [V], rope_delta)."""
+        dev = self.device
+        position_ids, delta, _ = self._prompt_inputs(ids, prompt)  # positions of the whole prompt; no pixels
+        n = len(ids)
+        input_ids = torch.tensor([ids[start:]], device=dev)
+        q_pos = torch.arange(start, n, device=dev).unsqueeze(0)
+        k_pos = torch.arange(n, device=dev).unsqueeze(0)
+        ctx = ForwardContext("prefill", q_pos, k_pos, None)
+        slots_t = torch.tensor(slots, device=dev)
+        view = CacheView(self.kv, slots_t[start:], slots_t.unsqueeze(0), n, ctx)
+        logits = self._forward(input_ids, position_ids[..., start:], ctx, view, self.adapter_names([adapter]))
+        return logits[0], delta
+
     def _image_blocks(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Image-block ids for the prefill mask of families whose image tokens attend bidirectionally."""
         if self.image_blocks and self.image_token_id is not None:

@@ -544,7 +544,7 @@ def _metrics_text(state: ServerState) -> str:
            [(f'{label},status="{k[1]}"', v) for k, v in sorted(c.items(), key=str)
             if isinstance(k, tuple) and k[0] == "errors"] or [(f'{label},status="400"', 0)])
     for key in ("steps", "prefill_tokens", "decode_tokens", "prefills", "requests", "finished", "aborted", "errors",
-                "num_preemptions", "prefix_cache_hits"):
+                "num_preemptions", "prefix_cache_hits", "prefix_cache_extensions", "prefix_cache_reused_tokens"):
         if key in s:
             metric(f"unsloth_rollout_engine_{key}_total", "counter", f"Engine counter {key}.", [(label, s[key])])
     for key in ("version", "paused", "kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "decode_workspace_bytes",
