@@ -128,3 +128,42 @@ def test_a_chat_conversation_next_turn_extends_the_cached_turn(qwen2_dir):
     ref = policy.model.generate(torch.tensor([out2.prompt_ids]), max_new_tokens=8, min_new_tokens=8,
                                 do_sample=False)[0, len(out2.prompt_ids):]
     assert out2.output_ids == ref.tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen2_5_vl", "gemma3"])
+def test_a_long_prompt_is_prefilled_in_chunks(family, monkeypatch):
+    """prefill_chunk_tokens=32: a prompt of ~100+ tokens (an image near its start) is prefilled in a first forward
+    through the image and chunks of 32 that attend to the cached ones; greedy tokens and logprobs are the
+    teacher-forced forward's (and HF generate()'s for the text families)."""
+    from unsloth_rollout.engine.runner import ModelRunner
+
+    policy = _policy(family)
+    calls = []
+    real = ModelRunner.prefill_continue
+    monkeypatch.setattr(ModelRunner, "prefill_continue", lambda self, ids, start, *a, **k: calls.append(
+        (len(ids), start)) or real(self, ids, start, *a, **k))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
+                                                prefill_chunk_tokens=32), seed=0)
+    try:
+        text = f"{TEXT}, {TEXT} and {TEXT}"
+        if policy.is_vlm:
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            req = GenerationRequest(messages=msgs, images=random_images(1, seed=4))
+        else:
+            req = GenerationRequest(messages=[{"role": "user", "content": text}])
+        req.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=0)
+        prompt = engine.inputs.prepare(req)
+        [out] = engine.generate(GenerationRequest(prepared=prompt, sampling=req.sampling))
+    finally:
+        engine.shutdown()
+    ids = list(prompt.prompt_ids)
+    assert len(ids) > 96
+    assert len(calls) >= 2 and calls[-1][0] == len(ids), calls
+    assert all(end - start <= 32 for end, start in calls)
+    lp, logits = teacher_forced_logprobs(policy, ids, out.output_ids, mm=_vision(policy, prompt, ids))
+    assert out.output_ids == logits.argmax(-1).tolist()
+    assert (lp - torch.tensor(out.output_logprobs)).abs().max() <= 1e-5
+    if not policy.is_vlm:
+        ref = policy.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                    do_sample=False)[0, len(ids):]
+        assert out.output_ids == ref.tolist()

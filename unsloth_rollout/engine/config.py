@@ -145,6 +145,9 @@ class EngineConfig:
         max_num_seqs: most sequences decoding in one step.
         max_model_len: longest prompt + output; default the model's max_position_embeddings (capped by the budget).
         max_prefill_tokens: prompt tokens prefilled in one step (others wait for the next step).
+        prefill_chunk_tokens: a prompt longer than this is prefilled in forwards of at most this many tokens
+            (the first one holding every image), each attending to the KV of the ones before: activation memory
+            stays bounded by the chunk, not the prompt. Images after the first chunk's reach: prefilled whole.
         suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
             the trainer's forward); logprobs are unaffected.
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
@@ -170,6 +173,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     max_prefill_tokens: int = 4096
+    prefill_chunk_tokens: int = 8192
     suppress_vision_tokens: bool = True
     prefix_cache: bool = True
     recompute_on_weight_change: bool = True
@@ -190,5 +194,7 @@ class EngineConfig:
                "max_model_len", f"must be >= 2 or None, got {self.max_model_len!r}")
         _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
                f"must be >= 1, got {self.max_prefill_tokens}")
+        _check(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
+               f"must be >= 1, got {self.prefill_chunk_tokens}")
         _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
                f"must be 'gather' or 'workspace', got {self.decode_backend!r}")

@@ -116,10 +116,11 @@ class EngineCore:
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
-        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend)
+        self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
+        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
+                                  config.prefill_chunk_tokens, self._vision_ids)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
-        self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)

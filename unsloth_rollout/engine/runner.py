@@ -89,9 +89,12 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
-                 decode_backend: str = "workspace"):
+                 decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
+                 vision_token_ids=frozenset()):
         self.policy = policy
         self.kv = kv_cache
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.vision_token_ids = frozenset(vision_token_ids)  # tokens whose embedding needs the prompt's pixels
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
@@ -208,6 +211,23 @@ class ModelRunner:
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
+    def prefill_chunked(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
+        """``prefill``, in forwards of at most ``prefill_chunk_tokens`` tokens when the prompt is longer: the first
+        runs through the last image placeholder (it needs the pixels), each later one attends to the KV the
+        earlier ones cached (``prefill_continue``). Returns (logits [V], rope_delta) of the whole prompt."""
+        chunk, n = self.prefill_chunk_tokens, len(ids)
+        if not chunk or n <= chunk:
+            return self.prefill(ids, slots, prompt, adapter)
+        vis = [i for i, t in enumerate(ids) if t in self.vision_token_ids] if self.vision_token_ids else []
+        first = max(chunk, vis[-1] + 1 if vis else 0)
+        if first >= n:
+            return self.prefill(ids, slots, prompt, adapter)
+        out = self.prefill(ids[:first], slots[:first], prompt, adapter)
+        for start in range(first, n, chunk):
+            end = min(n, start + chunk)
+            out = self.prefill_continue(ids[:end], start, slots[:end], prompt, adapter)
+        return out
+
     def prefill_continue(self, ids: list[int], start: int, slots: list[int], prompt=None,
                          adapter: str | None = None):
         """Prefill positions ``start ..`` of a prompt whose first ``start`` positions are already in the pool
@@ -264,7 +284,7 @@ class ModelRunner:
         rope_delta)] per prompt."""
         if len(items) == 1:
             ids, slots, prompt = items[0]
-            return [self.prefill(ids, slots, prompt, adapter)]
+            return [self.prefill_chunked(ids, slots, prompt, adapter)]
         dev = self.device
         all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
         vision = []
