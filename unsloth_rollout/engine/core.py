@@ -279,11 +279,16 @@ class EngineCore:
                     continue
                 todo[key] = (blocks, group[0])
             ready.append((group, key))
-        done, failed = self._run_packs(
-            self._packs([(k, head, len(head.prompt_ids)) for k, (_, head) in todo.items()]),
-            item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
-                            todo[k][1].prompt),
-            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
+        try:
+            done, failed = self._run_packs(
+                self._packs([(k, head, len(head.prompt_ids)) for k, (_, head) in todo.items()]),
+                item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
+                                todo[k][1].prompt),
+                head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
+        except ModelNotServableError:
+            for blocks, _, _ in extend.values():  # never leak the blocks of prompts not computed
+                kv.free(blocks)
+            raise
         for k, (logits, delta) in done.items():
             blocks, h = todo[k]
             prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
