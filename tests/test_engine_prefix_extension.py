@@ -167,3 +167,34 @@ def test_a_long_prompt_is_prefilled_in_chunks(family, monkeypatch):
         ref = policy.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
                                     do_sample=False)[0, len(ids):]
         assert out.output_ids == ref.tolist()
+
+
+def test_a_long_next_turn_is_prefilled_in_chunks_too(monkeypatch):
+    """The new tokens of a next turn are chunked by prefill_chunk_tokens like any prompt's; the output is still
+    HF generate()'s on the whole second prompt."""
+    from unsloth_rollout.engine.runner import ModelRunner
+
+    policy = _policy("qwen2")
+    calls = []
+    real = ModelRunner.prefill_continue
+    monkeypatch.setattr(ModelRunner, "prefill_continue", lambda self, ids, start, *a, **k: calls.append(
+        (len(ids), start)) or real(self, ids, start, *a, **k))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
+                                                prefill_chunk_tokens=64), seed=0)
+    try:
+        sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+        p1 = engine.inputs.prepare(GenerationRequest(messages=[{"role": "user", "content": TEXT}]))
+        [out1] = engine.generate(GenerationRequest(prepared=p1, sampling=sp))
+        ids2 = list(p1.prompt_ids) + list(out1.output_ids) + policy.tokenizer.encode(
+            f" and then {TEXT}, {TEXT} and {TEXT} again", add_special_tokens=False)
+        calls.clear()
+        [out2] = engine.generate(GenerationRequest(prepared=PreparedPrompt(ids2), sampling=sp))
+        assert engine.stats()["prefix_cache_extensions"] == 1
+    finally:
+        engine.shutdown()
+    start = len(p1.prompt_ids) // 16 * 16
+    assert len(ids2) - start > 64 and len(calls) >= 2 and calls[0][1] == start and calls[-1][0] == len(ids2)
+    assert all(end - begin <= 64 for end, begin in calls)
+    ref = policy.model.generate(torch.tensor([ids2]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                do_sample=False)[0, len(ids2):]
+    assert out2.output_ids == ref.tolist()

@@ -30,15 +30,10 @@ from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, Samp
 from unsloth_rollout.bench.harness import copy_bandwidth_gbs, machine_info, text_weights
 from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.engine.config import parse_bytes
+from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.engine.runner import _text_dims
 
 NOMINAL_HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured about this (read + write)
-
-
-def kv_bytes_per_token(policy) -> int:
-    """Bytes of keys and values one cached token holds over all layers."""
-    layers, kv_heads, head_dim = _text_dims(policy.base_model.config.get_text_config())
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=policy.dtype).element_size()
 
 
 def requests(policy, batch: int, prompt_len: int, new_tokens: int, seed: int) -> list[GenerationRequest]:
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     policy.inference()
     device = policy.device
     wbytes, _, _ = text_weights(policy)
-    kv_tok = kv_bytes_per_token(policy)
+    kv_tok = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 30) if device.type == "cuda" else copy_bandwidth_gbs(device)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                                                 max_num_seqs=max(batches)))

@@ -95,10 +95,6 @@ class WeightsClock:
             if version is not None:
                 self.version = int(version)
 
-    def snapshot(self):
-        """(version, stamp_of(lora_name)) as of now."""
-        return self.state()[:2]
-
     def state(self):
         """(version, stamp_of(lora_name), number of changes so far), read together."""
         with self._lock:
@@ -261,40 +257,37 @@ class EngineCore:
         packed into as few forwards as the budget allows; every member of a group shares its prompt's KV. One
         sampler call for all members."""
         sch, prefix, kv = self.scheduler, self.scheduler.prefix, self.kv
-        todo: dict = {}  # key -> (blocks, head): prompts to compute this step, in admission order
-        extend: dict = {}  # key -> (blocks, head, start): prompts that extend a cached prompt's KV
+        todo: dict = {}  # key -> (blocks, head, start): prompts to compute this step from position start
         ready = []
         for group in groups:
             key = prefix_key(group[0])
-            if key not in todo and key not in extend and prefix.lookup(key) is None:
-                hit = self._extendable(group[0], stamp_of)
-                if hit is not None:
-                    extend[key] = hit
-                    ready.append((group, key))
-                    continue
-                blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
-                if blocks is None:  # memory went elsewhere this step: wait in line, first
-                    for s in reversed(group):
-                        sch.preempt(s, count=False)
-                    continue
-                todo[key] = (blocks, group[0])
+            if key not in todo and prefix.lookup(key) is None:
+                plan = self._extendable(group[0], stamp_of)
+                if plan is None:
+                    blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
+                    if blocks is None:  # memory went elsewhere this step: wait in line, first
+                        for s in reversed(group):
+                            sch.preempt(s, count=False)
+                        continue
+                    plan = (blocks, group[0], 0)
+                todo[key] = plan
             ready.append((group, key))
-        try:
-            done, failed = self._run_packs(
-                self._packs([(k, head, len(head.prompt_ids)) for k, (_, head) in todo.items()]),
-                item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
-                                todo[k][1].prompt),
-                head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
-        except ModelNotServableError:
-            for blocks, _, _ in extend.values():  # never leak the blocks of prompts not computed
-                kv.free(blocks)
-            raise
+        # Prompts from position 0 pack together; one that extends a cached prompt runs alone, from where it ends.
+        packs = self._packs([(k, head, len(head.prompt_ids)) for k, (_, head, start) in todo.items() if not start])
+        packs += [[k] for k, (_, _, start) in todo.items() if start]
+        done, failed = self._run_packs(
+            packs, item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
+                                   todo[k][1].prompt) + ((todo[k][2],) if todo[k][2] else ()),
+            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
         for k, (logits, delta) in done.items():
-            blocks, h = todo[k]
-            prefix.insert(k, PrefixEntry(blocks, len(h.prompt_ids), logits, delta, version, stamp_of(h.lora_name)))
-            self.stats["prefill_tokens"] += len(h.prompt_ids)
+            blocks, h, start = todo[k]
+            n = len(h.prompt_ids)
+            prefix.insert(k, PrefixEntry(blocks, n, logits, delta, version, stamp_of(h.lora_name)))
+            self.stats["prefill_tokens"] += n - start
             self.stats["prefills"] += 1
-        failed.update(self._extend_prefixes(extend, version, stamp_of))
+            if start:
+                prefix.extensions += 1
+                prefix.reused_tokens += start
         seqs, rows = [], []
         for group, key in ready:
             if key in failed:
@@ -307,8 +300,7 @@ class EngineCore:
                 for s in reversed(group):
                     sch.preempt(s, count=False)
                 continue
-            computed = todo.pop(key, None) is not None or extend.pop(key, None) is not None
-            prefix.hits += len(group) - (1 if computed else 0)
+            prefix.hits += len(group) - (1 if todo.pop(key, None) is not None else 0)
             for s in group:
                 own = []
                 if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
@@ -327,7 +319,7 @@ class EngineCore:
 
     def _extendable(self, head: Sequence, stamp_of):
         """(blocks, head, start) when ``head``'s prompt extends a cached prompt's KV (a next turn): its block
-        table is the cached prompt's full blocks, shared, plus new blocks for the rest, which the caller prefills
+        table is the cached prompt's full blocks, shared, plus new blocks for the rest, which the step prefills
         from ``start``. None when no cached prompt qualifies, the new tokens hold image placeholders (they need
         their pixels), or memory is short (the prompt is then prefilled whole, as before)."""
         sch, prefix = self.scheduler, self.scheduler.prefix
@@ -347,32 +339,6 @@ class EngineCore:
         if new is None:
             return None
         return self.kv.share(entry.blocks[:full]) + new, head, start
-
-    def _extend_prefixes(self, extend: dict, version: int, stamp_of) -> dict:
-        """Prefill each extending prompt from where its cached prefix ends; returns {key: error} of failures."""
-        prefix, kv, failed = self.scheduler.prefix, self.kv, {}
-        items = list(extend.items())
-        for i, (key, (blocks, head, start)) in enumerate(items):
-            n = len(head.prompt_ids)
-            try:
-                logits, delta = self.runner.prefill_continue(head.prompt_ids, start, kv.slots(blocks, 0, n),
-                                                             head.prompt, head.lora_name)
-            except ModelNotServableError:
-                for _, (b, _, _) in items[i:]:
-                    kv.free(b)
-                raise
-            except Exception as e:
-                logger.exception("unsloth_rollout: prefill failed for request %s", head.request_id)
-                kv.free(blocks)
-                failed[key] = f"prefill failed: {type(e).__name__}: {e}"
-                continue
-            prefix.insert(key, PrefixEntry(blocks, n, logits, delta, version, stamp_of(head.lora_name)))
-            prefix.partial_hits += 1
-            prefix.reused_tokens += start
-            self.stats["prefill_tokens"] += n - start
-            self.stats["prefills"] += 1
-            self.stats["prefill_forwards"] += 1
-        return failed
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:

@@ -303,7 +303,7 @@ class RolloutEngine:
             kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
             decode_workspace_bytes=ws.memory_bytes if (ws := self.core.runner.workspace) is not None else 0,
             prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
-            prefix_cache_extensions=sch.prefix.partial_hits, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
+            prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
             num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len)
         return s
 

@@ -39,7 +39,7 @@ class PrefixCache:
         self.enabled = enabled
         self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()
         self.hits = 0
-        self.partial_hits = 0  # prompts that extended a cached prompt's KV instead of prefilling from 0
+        self.extensions = 0  # prompts that extended a cached prompt's KV instead of prefilling from 0
         self.reused_tokens = 0  # prompt tokens those prompts did not prefill again
 
     def __len__(self) -> int:

@@ -211,21 +211,22 @@ class ModelRunner:
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
         return logits[0], delta
 
-    def prefill_chunked(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
-        """``prefill``, in forwards of at most ``prefill_chunk_tokens`` tokens when the prompt is longer: the first
-        runs through the last image placeholder (it needs the pixels), each later one attends to the KV the
+    def prefill_chunked(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None,
+                        start: int = 0):
+        """``prefill`` of positions ``start ..`` (the first ``start`` already in the pool, e.g. a cached earlier
+        turn), in forwards of at most ``prefill_chunk_tokens`` tokens when there are more: from position 0 the
+        first runs through the last image placeholder (it needs the pixels), each later one attends to the KV the
         earlier ones cached (``prefill_continue``). Returns (logits [V], rope_delta) of the whole prompt."""
-        chunk, n = self.prefill_chunk_tokens, len(ids)
-        if not chunk or n <= chunk:
-            return self.prefill(ids, slots, prompt, adapter)
-        vis = [i for i, t in enumerate(ids) if t in self.vision_token_ids] if self.vision_token_ids else []
-        first = max(chunk, vis[-1] + 1 if vis else 0)
-        if first >= n:
-            return self.prefill(ids, slots, prompt, adapter)
-        out = self.prefill(ids[:first], slots[:first], prompt, adapter)
-        for start in range(first, n, chunk):
-            end = min(n, start + chunk)
-            out = self.prefill_continue(ids[:end], start, slots[:end], prompt, adapter)
+        n = len(ids)
+        chunk = self.prefill_chunk_tokens or n
+        out = None
+        if start == 0:
+            vis = [i for i, t in enumerate(ids) if t in self.vision_token_ids] if self.vision_token_ids else []
+            start = min(n, max(chunk, vis[-1] + 1 if vis else 0))
+            out = self.prefill(ids[:start], slots[:start], prompt, adapter)
+        for begin in range(start, n, chunk):
+            end = min(n, begin + chunk)
+            out = self.prefill_continue(ids[:end], begin, slots[:end], prompt, adapter)
         return out
 
     def prefill_continue(self, ids: list[int], start: int, slots: list[int], prompt=None,
@@ -277,14 +278,15 @@ class ModelRunner:
             return False
         return getattr(prompt, "image_grid_thw", None) is not None or pixels.dim() == 4
 
-    def prefill_packed(self, items: list[tuple[list[int], list[int], object]], adapter: str | None = None):
-        """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``) in one forward: packed into one
+    def prefill_packed(self, items: list[tuple], adapter: str | None = None):
+        """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``; a lone item may add ``start``,
+        its positions already cached, see ``prefill_chunked``) in one forward: packed into one
         row, each position attending only to its own prompt (``ForwardContext.segment``), with its own positions
         (M-RoPE rows included) and the vision tower run once over all their images. Returns [(logits [V],
         rope_delta)] per prompt."""
         if len(items) == 1:
-            ids, slots, prompt = items[0]
-            return [self.prefill_chunked(ids, slots, prompt, adapter)]
+            ids, slots, prompt, *start = items[0]
+            return [self.prefill_chunked(ids, slots, prompt, adapter, *start)]
         dev = self.device
         all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
         vision = []
