@@ -31,6 +31,18 @@ def _policy(name: str):
     return load_model(str(path), backend="transformers")
 
 
+@pytest.fixture
+def continue_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(prompt length, start) of every ModelRunner.prefill_continue call (the chunks after a cached part)."""
+    from unsloth_rollout.engine.runner import ModelRunner
+
+    calls = []
+    real = ModelRunner.prefill_continue
+    monkeypatch.setattr(ModelRunner, "prefill_continue", lambda self, ids, start, *a, **k: calls.append(
+        (len(ids), start)) or real(self, ids, start, *a, **k))
+    return calls
+
+
 def _vision(policy, prompt: PreparedPrompt, ids: list[int]) -> dict:
     """The teacher-forced oracle's vision inputs for ``ids`` (which hold the prompt's images)."""
     if prompt.pixel_values is None:
@@ -131,17 +143,12 @@ def test_a_chat_conversation_next_turn_extends_the_cached_turn(qwen2_dir):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen2_5_vl", "gemma3"])
-def test_a_long_prompt_is_prefilled_in_chunks(family, monkeypatch):
+def test_a_long_prompt_is_prefilled_in_chunks(family, continue_calls):
     """prefill_chunk_tokens=32: a prompt of ~100+ tokens (an image near its start) is prefilled in a first forward
     through the image and chunks of 32 that attend to the cached ones; greedy tokens and logprobs are the
     teacher-forced forward's (and HF generate()'s for the text families)."""
-    from unsloth_rollout.engine.runner import ModelRunner
-
     policy = _policy(family)
-    calls = []
-    real = ModelRunner.prefill_continue
-    monkeypatch.setattr(ModelRunner, "prefill_continue", lambda self, ids, start, *a, **k: calls.append(
-        (len(ids), start)) or real(self, ids, start, *a, **k))
+    calls = continue_calls
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
                                                 prefill_chunk_tokens=32), seed=0)
     try:
@@ -169,16 +176,11 @@ def test_a_long_prompt_is_prefilled_in_chunks(family, monkeypatch):
         assert out.output_ids == ref.tolist()
 
 
-def test_a_long_next_turn_is_prefilled_in_chunks_too(monkeypatch):
+def test_a_long_next_turn_is_prefilled_in_chunks_too(continue_calls):
     """The new tokens of a next turn are chunked by prefill_chunk_tokens like any prompt's; the output is still
     HF generate()'s on the whole second prompt."""
-    from unsloth_rollout.engine.runner import ModelRunner
-
     policy = _policy("qwen2")
-    calls = []
-    real = ModelRunner.prefill_continue
-    monkeypatch.setattr(ModelRunner, "prefill_continue", lambda self, ids, start, *a, **k: calls.append(
-        (len(ids), start)) or real(self, ids, start, *a, **k))
+    calls = continue_calls
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
                                                 prefill_chunk_tokens=64), seed=0)
     try:
