@@ -145,9 +145,11 @@ class EngineConfig:
         max_num_seqs: most sequences decoding in one step.
         max_model_len: longest prompt + output; default the model's max_position_embeddings (capped by the budget).
         max_prefill_tokens: prompt tokens prefilled in one step (others wait for the next step).
-        prefill_chunk_tokens: a prompt longer than this is prefilled in forwards of at most this many tokens
-            (the first one holding every image), each attending to the KV of the ones before: activation memory
-            stays bounded by the chunk, not the prompt. Images after the first chunk's reach: prefilled whole.
+        prefill_chunk_tokens: most tokens in one prefill forward: packs of prompts stay within it, and a longer
+            prompt (a recompute after preemption or a weight change, a next turn's new tokens) is prefilled in
+            forwards of at most this many tokens, each attending to the KV of the ones before: activation memory
+            stays bounded by the chunk, not the prompt. The one exception: a prompt's first forward runs through
+            its last image placeholder (an image's tokens and pixels enter in one forward), however long.
         suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
             the trainer's forward); logprobs are unaffected.
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.

@@ -235,10 +235,11 @@ class EngineCore:
 
     def _packs(self, items: list[tuple]) -> list[list]:
         """``items``: (key, sequence, tokens) to prefill, in packed forwards: same adapter, packable vision inputs,
-        at most ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
+        at most ``max_prefill_tokens``, ``prefill_chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt
+        alone, where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there)."""
         packs, open_by_adapter = [], {}
         # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
-        limit = min(self.config.max_prefill_tokens, PACK_MAX_TOKENS)
+        limit = min(self.config.max_prefill_tokens, self.config.prefill_chunk_tokens, PACK_MAX_TOKENS)
         for key, head, n in items:
             if not self.runner.can_pack(head.prompt):
                 packs.append([key])
