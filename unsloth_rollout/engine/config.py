@@ -164,9 +164,12 @@ class EngineConfig:
             (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
             The compiled decode always gathers. Memory: the workspace holds the running rows' history a second
-            time beside the pool, each row padded to the longest (``stats()["decode_workspace_bytes"]``; it
-            grows with the batch and never shrinks until ``offload()``): budget up to about twice
-            ``kv_cache_memory_bytes`` for KV in all, or use "gather" where memory is tighter than bandwidth.
+            time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
+        decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
+            takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
+            more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
+            gather path instead: same tokens, memory bounded, never a preemption. ``stats()``:
+            ``decode_workspace_bytes`` (held now), ``decode_workspace_peak_bytes``, ``decode_workspace_fallbacks``.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -182,6 +185,7 @@ class EngineConfig:
     decode_compile: bool = False
     compile_mode: str | None = None
     decode_backend: str = "workspace"
+    decode_workspace_bytes: int | None = None
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
@@ -198,5 +202,8 @@ class EngineConfig:
                f"must be >= 1, got {self.max_prefill_tokens}")
         _check(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
                f"must be >= 1, got {self.prefill_chunk_tokens}")
+        _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
+                                                        and self.decode_workspace_bytes >= 0),
+               "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
                f"must be 'gather' or 'workspace', got {self.decode_backend!r}")
