@@ -9,7 +9,6 @@ RLVRWorkflow / VisionRLVRWorkflow reward functions, custom workflows, agent work
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -17,17 +16,15 @@ from areal.api.workflow_api import RolloutWorkflow
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
 from areal.utils import logging
 
+from ..rewards import finite_reward as _finite_reward
+
 # AReaL's logging (its getLogger resets the stdlib's logger tree, orphaning loggers made before).
 logger = logging.getLogger("UnslothRewards")
 
 
 def finite_reward(value: float, where: str) -> float:
-    """``value`` as a float, or 0.0 (logged) when it is NaN or infinite. ``where``: who returned it."""
-    value = float(value)
-    if math.isfinite(value):
-        return value
-    logger.warning("unsloth_rollout: non-finite reward %s from %s replaced by 0.0", value, where)
-    return 0.0
+    """``value`` as a float, or 0.0 (logged on AReaL's logger) when it is NaN or infinite."""
+    return _finite_reward(value, where, logger)
 
 
 def finite_trajectory(traj, where: str):
