@@ -49,6 +49,7 @@ from areal.experimental.openai.cache import InteractionCache
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
 from areal.utils import logging, stats_tracker
 
+from .finite_rewards import finite_reward
 from .openai_compat import UnslothModelResponse, project_tool_parser
 
 logger = logging.getLogger("UnslothAgentServer")
@@ -283,9 +284,10 @@ class UnslothAgentWorkflow(RolloutWorkflow):
             for cid, r in rewards.items():
                 if not isinstance(r, numbers.Real) or isinstance(r, bool):
                     raise ValueError(f"reward for {cid!r} must be a number, got {type(r).__name__}")
-                cache.set_reward(cid, float(r))
+                cache.set_reward(cid, finite_reward(r, f"the agent's reward for {cid!r}"))
         elif isinstance(rewards, numbers.Real) and not isinstance(rewards, bool):
-            cache.set_last_reward(float(rewards))
+            # Before the turn discount spreads it over the episode's completions.
+            cache.set_last_reward(finite_reward(rewards, "the agent's run()"))
         else:
             raise ValueError(f"the agent's run() must return a float or {{completion_id: float}}, "
                              f"got {type(rewards).__name__}")

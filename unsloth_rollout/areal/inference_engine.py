@@ -72,11 +72,13 @@ class UnslothInferenceEngine(InferenceEngine):
 
     def _resolve_workflow(self, workflow, workflow_kwargs, group_size: int = 1, proxy_addr: str | None = None):
         """AReaL's own workflow resolution (instance / class / "module.Class", group_size through
-        GroupedRolloutWorkflow); agent workflows (``async def run``) go to this engine's in-process server."""
+        GroupedRolloutWorkflow); agent workflows (``async def run``) go to this engine's in-process server. Every
+        episode's non-finite rewards become 0.0, logged (finite_rewards.py)."""
         from .agent_server import IN_PROCESS
+        from .finite_rewards import FiniteRewardWorkflow
 
-        return RemoteInfEngine._resolve_workflow(self, workflow, workflow_kwargs, group_size,
-                                                 proxy_addr=proxy_addr or IN_PROCESS)
+        return FiniteRewardWorkflow(RemoteInfEngine._resolve_workflow(self, workflow, workflow_kwargs, group_size,
+                                                                      proxy_addr=proxy_addr or IN_PROCESS))
 
     def _wrap_openai_agent(self, agent, proxy_addr: str | None = None):
         """An agent workflow as an ``UnslothAgentWorkflow`` on this engine's ``AgentServer``."""

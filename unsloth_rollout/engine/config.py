@@ -145,9 +145,11 @@ class EngineConfig:
         max_num_seqs: most sequences decoding in one step.
         max_model_len: longest prompt + output; default the model's max_position_embeddings (capped by the budget).
         max_prefill_tokens: prompt tokens prefilled in one step (others wait for the next step).
-        prefill_chunk_tokens: a prompt longer than this is prefilled in forwards of at most this many tokens
-            (the first one holding every image), each attending to the KV of the ones before: activation memory
-            stays bounded by the chunk, not the prompt. Images after the first chunk's reach: prefilled whole.
+        prefill_chunk_tokens: most tokens in one prefill forward: packs of prompts stay within it, and a longer
+            prompt (a recompute after preemption or a weight change, a next turn's new tokens) is prefilled in
+            forwards of at most this many tokens, each attending to the KV of the ones before: activation memory
+            stays bounded by the chunk, not the prompt. The one exception: a prompt's first forward runs through
+            its last image placeholder (an image's tokens and pixels enter in one forward), however long.
         suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
             the trainer's forward); logprobs are unaffected.
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
@@ -162,9 +164,12 @@ class EngineConfig:
             (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
             The compiled decode always gathers. Memory: the workspace holds the running rows' history a second
-            time beside the pool, each row padded to the longest (``stats()["decode_workspace_bytes"]``; it
-            grows with the batch and never shrinks until ``offload()``): budget up to about twice
-            ``kv_cache_memory_bytes`` for KV in all, or use "gather" where memory is tighter than bandwidth.
+            time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
+        decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
+            takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
+            more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
+            gather path instead: same tokens, memory bounded, never a preemption. ``stats()``:
+            ``decode_workspace_bytes`` (held now), ``decode_workspace_peak_bytes``, ``decode_workspace_fallbacks``.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -180,6 +185,7 @@ class EngineConfig:
     decode_compile: bool = False
     compile_mode: str | None = None
     decode_backend: str = "workspace"
+    decode_workspace_bytes: int | None = None
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
@@ -196,5 +202,8 @@ class EngineConfig:
                f"must be >= 1, got {self.max_prefill_tokens}")
         _check(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
                f"must be >= 1, got {self.prefill_chunk_tokens}")
+        _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
+                                                        and self.decode_workspace_bytes >= 0),
+               "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
                f"must be 'gather' or 'workspace', got {self.decode_backend!r}")

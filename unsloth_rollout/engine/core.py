@@ -114,7 +114,7 @@ class EngineCore:
                                  model_max)
         self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
         self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
-                                  config.prefill_chunk_tokens, self._vision_ids)
+                                  config.prefill_chunk_tokens, self._vision_ids, config.decode_workspace_bytes)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
@@ -235,10 +235,11 @@ class EngineCore:
 
     def _packs(self, items: list[tuple]) -> list[list]:
         """``items``: (key, sequence, tokens) to prefill, in packed forwards: same adapter, packable vision inputs,
-        at most ``max_prefill_tokens`` (and PACK_MAX_TOKENS) tokens each (a longer prompt alone)."""
+        at most ``max_prefill_tokens``, ``prefill_chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt
+        alone, where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there)."""
         packs, open_by_adapter = [], {}
         # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
-        limit = min(self.config.max_prefill_tokens, PACK_MAX_TOKENS)
+        limit = min(self.config.max_prefill_tokens, self.config.prefill_chunk_tokens, PACK_MAX_TOKENS)
         for key, head, n in items:
             if not self.runner.can_pack(head.prompt):
                 packs.append([key])

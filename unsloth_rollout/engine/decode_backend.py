@@ -12,6 +12,9 @@ What a backend decides is how the decode step's attention *reads* each row's his
   then writes only the new token into its row (and into the pool) and attention reads the view
   ``ws[:B, :, :L]`` in place. Rows are kept compacted: when a sequence leaves, the last row moves into the hole
   (O(history) once per finish or preemption, not per step). No per-step copy of the history.
+  The rows live inside a byte budget (``EngineConfig.decode_workspace_bytes``, by default the pool's own
+  size): a step whose batch would need more (rows x its longest row: one long conversation beside many short
+  rows) decodes through the gather path instead, so memory stays bounded and the tokens are the same.
 
 A row is keyed by the sequence's id *and* its KV incarnation (``Sequence.kv_epoch``, bumped by the core each
 time the sequence's KV is computed or recomputed: after preemption or a weight change the row is refilled from
@@ -32,15 +35,23 @@ DECODE_BACKENDS = ("gather", "workspace")
 class DecodeWorkspace:
     """Per-layer ``[rows, H, capacity, D]`` key and value rows of the sequences now decoding."""
 
-    def __init__(self, cache: KVCache, min_capacity: int = 256):
+    def __init__(self, cache: KVCache, min_capacity: int = 256, budget_bytes: int | None = None):
         self.cache = cache
         self.min_capacity = min_capacity
+        # Most bytes the rows may hold (None: the pool's own size). A batch whose rows x longest row would not fit
+        # decodes through the gather path that step instead (``gathering``): never preempted, never over budget.
+        self.budget_bytes = cache.memory_bytes if budget_bytes is None else budget_bytes
+        self.bytes_per_position = KVCache.bytes_per_token(cache.num_layers, cache.num_kv_heads, cache.head_dim,
+                                                          cache.dtype)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.keys: list[tuple] = []  # per row: (seq_id, kv_epoch)
         self.lengths: list[int] = []  # per row: positions held (0 .. length-1)
+        self.gathering = False  # this step's batch did not fit the budget: it decodes through the gather path
         self.fills = 0  # rows filled from the pool (joins), for tests and the profile
         self.moves = 0  # rows moved to keep the rows compacted
+        self.fallbacks = 0  # decode steps that gathered because the batch did not fit the budget
+        self.peak_bytes = 0  # the most the rows ever held
 
     @property
     def rows(self) -> int:
@@ -55,31 +66,41 @@ class DecodeWorkspace:
         self.k, self.v, self.keys, self.lengths = [], [], [], []
 
     # ------------------------------------------------------------------ storage
-    def _ensure(self, rows: int, length: int) -> None:
+    def _shape(self, rows: int, length: int, cur_r: int, cur_c: int) -> tuple[int, int] | None:
+        """The (rows, capacity) to grow to: with headroom (rows doubled, capacity +25% in steps of 128) when the
+        budget allows, else the least that holds this batch (spare rows and positions dropped), else None."""
+        grow_r = max(rows, 2 * cur_r, 8) if rows > cur_r else cur_r
+        grow_c = -(-max(length, cur_c + cur_c // 4, self.min_capacity) // 128) * 128 if length > cur_c else cur_c
+        for r, c in ((grow_r, grow_c), (rows, grow_c), (rows, -(-length // 128) * 128), (rows, -(-length // 16) * 16)):
+            if r * c * self.bytes_per_position <= self.budget_bytes:
+                return r, c
+        return None
+
+    def _ensure(self, rows: int, length: int) -> bool:
+        """Room for ``rows`` rows of ``length`` positions, inside the budget; False when it cannot fit."""
         c = self.cache
         cur_r = self.k[0].shape[0] if self.k else 0
         cur_c = self.k[0].shape[2] if self.k else 0
         if rows <= cur_r and length <= cur_c:
-            return
-        new_r = max(rows, cur_r, 1)
-        if rows > cur_r:
-            new_r = max(rows, 2 * cur_r, 8)
-        new_c = cur_c
-        if length > cur_c:  # grow by a quarter (amortized O(1) copies per token), in steps of 128 positions
-            new_c = -(-max(length, cur_c + cur_c // 4, self.min_capacity) // 128) * 128
+            return True
+        shape = self._shape(rows, length, cur_r, cur_c)
+        if shape is None:
+            return False
+        new_r, new_c = shape
+        keep = min(cur_c, new_c)  # every held row's length is below ``length`` <= new_c
+        n = self.rows
         # Zeros, not empty: masked keys past a row's length are multiplied by a zero weight, never NaN.
-        shape = (new_r, c.num_kv_heads, new_c, c.head_dim)
         for store in (self.k, self.v):
-            for i in range(c.num_layers):
-                t = torch.zeros(shape, dtype=c.dtype, device=c.device)
-                if store and len(store) > i and self.rows:
-                    old = store[i]
-                    n = self.rows
-                    t[:n, :, :cur_c].copy_(old[:n])
+            for i in range(c.num_layers):  # one layer at a time: the old layer is freed as the new one replaces it
+                t = torch.zeros((new_r, c.num_kv_heads, new_c, c.head_dim), dtype=c.dtype, device=c.device)
                 if len(store) > i:
+                    if n:
+                        t[:n, :, :keep].copy_(store[i][:n, :, :keep])
                     store[i] = t
                 else:
                     store.append(t)
+        self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+        return True
 
     def _fill(self, row: int, block_table: list[int], length: int) -> None:
         """Copy a sequence's first ``length`` cached positions from the pool into ``row`` (once, when it joins)."""
@@ -107,9 +128,10 @@ class DecodeWorkspace:
         self.lengths.pop()
 
     # ------------------------------------------------------------------ the two calls
-    def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int]:
+    def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int] | None:
         """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
-        arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i."""
+        arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i. None
+        (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget."""
         want = {k: i for i, k in enumerate(keys)}
         if len(want) != len(keys):
             raise ValueError("decode batch holds the same sequence twice")
@@ -117,9 +139,12 @@ class DecodeWorkspace:
             i = want.get(self.keys[r])
             if i is None or self.lengths[r] != lengths[i]:
                 self._drop_row(r)
+        self.gathering = bool(keys) and not self._ensure(len(keys), max(lengths, default=0) + 1)
+        if self.gathering:
+            self.fallbacks += 1
+            return None
         have = set(self.keys)
         joiners = [i for i, k in enumerate(keys) if k not in have]
-        self._ensure(len(keys), max(lengths, default=0) + 1)
         for i in joiners:
             row = self.rows
             self.keys.append(keys[i])
@@ -130,7 +155,8 @@ class DecodeWorkspace:
     def view(self, write_slots: torch.Tensor, lengths: torch.Tensor, key_len: int, ctx=None) -> "WorkspaceView":
         """The cache view of a decode step over rows 0..B-1 (in ``arrange``'s order): the new token goes into the
         pool (``write_slots``) and into each row at ``lengths[i]``; attention reads ``ws[:B, :, :key_len]``."""
-        self._ensure(self.rows, key_len)
+        if not self._ensure(self.rows, key_len):
+            raise RuntimeError("decode workspace: the arranged batch does not fit its budget")
         return WorkspaceView(self, write_slots, lengths, key_len, ctx)
 
     def advance(self) -> None:

@@ -302,6 +302,9 @@ class RolloutEngine:
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
             kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
             decode_workspace_bytes=ws.memory_bytes if (ws := self.core.runner.workspace) is not None else 0,
+            decode_workspace_peak_bytes=ws.peak_bytes if ws is not None else 0,
+            decode_workspace_budget_bytes=ws.budget_bytes if ws is not None else 0,
+            decode_workspace_fallbacks=ws.fallbacks if ws is not None else 0,
             prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
             prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
             num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len)

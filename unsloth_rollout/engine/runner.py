@@ -90,7 +90,7 @@ def _bucket(n: int, minimum: int = 1) -> int:
 class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
-                 vision_token_ids=frozenset()):
+                 vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None):
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -99,7 +99,8 @@ class ModelRunner:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
         self.decode_backend = "gather" if compile_decode else decode_backend
-        self.workspace = DecodeWorkspace(kv_cache) if self.decode_backend == "workspace" else None
+        self.workspace = (DecodeWorkspace(kv_cache, budget_bytes=decode_workspace_bytes)
+                          if self.decode_backend == "workspace" else None)
         kv_cache.on_release.append(self.release_workspace)
         self.device = policy.device
         cfg = policy.config
@@ -319,10 +320,10 @@ class ModelRunner:
 
     def arrange_decode(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int]:
         """The order the decode batch runs in: for each row, the index of its sequence in the arguments
-        (``keys[i]``: the sequence's (id, kv_epoch)). The workspace backend runs rows in its own row order."""
-        if self.workspace is None:
-            return list(range(len(keys)))
-        return self.workspace.arrange(keys, lengths, block_tables)
+        (``keys[i]``: the sequence's (id, kv_epoch)). The workspace backend runs rows in its own row order; a
+        batch that does not fit the workspace's budget runs in the given order, through the gather path."""
+        order = None if self.workspace is None else self.workspace.arrange(keys, lengths, block_tables)
+        return list(range(len(keys))) if order is None else order
 
     def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
                adapters: list[str | None] | None = None, eager: bool = False, keys: list[tuple] | None = None):
@@ -331,7 +332,7 @@ class ModelRunner:
         bs = self.kv.block_size
         n_rows = len(tokens)
         names = self.adapter_names(adapters or [None] * n_rows)
-        if keys is not None and self.workspace is not None:
+        if keys is not None and self.workspace is not None and not self.workspace.gathering:
             return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         static = self._compiled is not None and names is None and not eager
         b = _bucket(n_rows) if static else n_rows

@@ -2,8 +2,9 @@
 
 Logprobs are ``log_softmax(raw_logits / T)[token]`` (T = 1 when greedy), computed before
 penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Sampling uses one
-uniform number per row from that row's own RNG (inverse CDF), so a seeded request draws the
-same tokens whatever else is in the batch.
+uniform number per row from that row's own RNG (inverse CDF over the vocabulary in its natural
+order, for every row: top-p sorts only its own rows to find the nucleus), so a seeded request draws
+the same tokens whatever else, with whatever parameters, is in the batch.
 """
 
 from __future__ import annotations
@@ -140,12 +141,7 @@ class Sampler:
         min_p = par[:, _MINP:_MINP + 1]
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        top_p = par[:, _TOPP:_TOPP + 1]
-        order = None
-        if bool((top_p < 1).any()):
-            probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(mass_before >= top_p * probs.sum(-1, keepdim=True), 0.0)
+        probs = self._top_p(probs, par[:, _TOPP])
         # One uniform in (0, 1] per row from the row's own RNG: reproducible whatever the batch.
         u = torch.tensor([1.0 - (s.rng or self.rng).random() for s in seqs], device=dev, dtype=torch.float64)
         cdf = probs.double().cumsum(dim=-1)
@@ -155,4 +151,21 @@ class Sampler:
         bad = probs.gather(1, pos.unsqueeze(1)).squeeze(1) <= 0
         if bad.any():
             pos = torch.where(bad, probs.argmax(dim=-1), pos)
-        return order.gather(1, pos.unsqueeze(1)).squeeze(1) if order is not None else pos
+        return pos
+
+    @staticmethod
+    def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Zero the tokens outside each top_p < 1 row's nucleus. Only those rows are sorted, and the kept mass
+        stays in vocabulary order: every row's inverse-CDF draw walks the same order whether or not a top_p row
+        shares its step (a row's token depends only on its own logits, parameters and uniform)."""
+        rows = (top_p < 1).nonzero().view(-1)
+        if rows.numel() == 0:
+            return probs
+        sub = probs[rows]
+        sorted_p, order = sub.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = mass_before >= top_p[rows].unsqueeze(1) * sorted_p.sum(-1, keepdim=True)
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        probs = probs.clone()
+        probs[rows] = sub.masked_fill(drop, 0.0)
+        return probs

@@ -8,8 +8,11 @@ chat template, tools and kwargs), so the ids TRL later scores are the ids the en
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -17,6 +20,7 @@ from transformers import TrainerCallback
 
 from ..engine import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from ..models import PolicyModel
+from ..rewards import finite_reward
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -103,6 +107,34 @@ class _EngineWeightSync:
 
     def sync_weights(self) -> None:
         self.engine.set_version(self.trainer.state.global_step)
+
+
+def _finite_rewards(rewards, name: str):
+    """A TRL reward function's list with +-inf replaced by 0.0 (logged). None and NaN stay: they are TRL's "no
+    reward from this function" marker, which TRL drops in its nansum over functions (and warns when all are)."""
+    if not isinstance(rewards, (list, tuple)):
+        return rewards
+    return [r if r is None or (isinstance(r, float) and math.isnan(r)) else finite_reward(r, name) for r in rewards]
+
+
+def finite_reward_func(fn):
+    """``fn`` (a TRL reward function, sync or async) whose infinite rewards become 0.0 with a warning; reward
+    models (``nn.Module``) and already wrapped functions are returned as they are."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module) or getattr(fn, "_unsloth_rollout_finite", False) or not callable(fn):
+        return fn
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        @functools.wraps(fn)
+        async def wrapped(*args, **kwargs):
+            return _finite_rewards(await fn(*args, **kwargs), name)
+    else:
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return _finite_rewards(fn(*args, **kwargs), name)
+    wrapped._unsloth_rollout_finite = True
+    return wrapped
 
 
 def _same_model(policy_model, trainer_model) -> bool:
@@ -199,6 +231,8 @@ class EngineRollout:
                 trainer.vllm_mode = "server"
                 trainer.vllm_importance_sampling_correction = True
                 trainer.use_vllm = True
+        if isinstance(getattr(trainer, "reward_funcs", None), list):  # a bad reward never reaches the advantages
+            trainer.reward_funcs = [finite_reward_func(f) for f in trainer.reward_funcs]
         self._attached_to = trainer
 
     # ------------------------------------------------------------------ one generation batch
