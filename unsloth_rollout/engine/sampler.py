@@ -1,7 +1,9 @@
 """Sampler: logits -> token, logprob (+ top logprobs), per-row parameters, seeded.
 
 Logprobs are ``log_softmax(raw_logits / T)[token]`` (T = 1 when greedy), computed before
-penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Sampling uses one
+penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Rows whose request asks for
+``logprobs_mode="processed_logprobs"`` get, from a separate step (``processed_logprobs``), the log of the
+distribution they were sampled from, as vLLM's mode of that name. Sampling uses one
 uniform number per row from that row's own RNG (inverse CDF), so a seeded request draws the
 same tokens whatever else is in the batch.
 """
@@ -91,7 +93,13 @@ class Sampler:
             tokens[gi] = proc[gi].argmax(dim=-1)
             tokens[si] = self._sample(proc[si], [seqs[i] for i in s_idx], par[si])
 
-        chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        lp_src = raw_lp
+        proc_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs_mode == "processed_logprobs"]
+        if proc_rows:  # only rows that ask for them: the raw default is computed exactly as before
+            lp_src = raw_lp.clone()
+            pi = torch.tensor(proc_rows, device=dev)
+            lp_src[pi] = processed_logprobs(proc[pi], par[pi])
+        chosen = lp_src.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tok_list = tokens.tolist()
         lp_list = chosen.tolist()
         top: list[dict[int, float] | None] = [None] * b
@@ -99,7 +107,7 @@ class Sampler:
         if want:
             k_max = max(seqs[i].sampling.logprobs for i in want)
             wi = torch.tensor(want, device=dev)
-            vals, idx = raw_lp[wi].topk(k_max, dim=-1)
+            vals, idx = lp_src[wi].topk(k_max, dim=-1)
             vals, idx = vals.tolist(), idx.tolist()
             for j, i in enumerate(want):
                 k = seqs[i].sampling.logprobs
@@ -156,3 +164,35 @@ class Sampler:
         if bad.any():
             pos = torch.where(bad, probs.argmax(dim=-1), pos)
         return order.gather(1, pos.unsqueeze(1)).squeeze(1) if order is not None else pos
+
+
+def processed_logprobs(proc: torch.Tensor, par: torch.Tensor) -> torch.Tensor:
+    """[B, V] log-probabilities of the distribution each row samples from (vLLM's "processed_logprobs").
+
+    ``proc``: the rows' logits after penalties and bans; ``par``: their parameter rows. Each row on its own:
+    divide by T, keep its top-k, drop tokens under min_p x the top probability, keep the smallest top-p prefix
+    of what is left (the same keep rules ``Sampler._sample`` draws with), renormalise. Greedy rows: the penalised
+    logits at T = 1, unfiltered (as vLLM's greedy rows). Tokens outside the kept set get -inf.
+    """
+    out = torch.empty_like(proc)
+    for i in range(proc.shape[0]):  # per row: no row's kept set depends on another's
+        x, p = proc[i], par[i]
+        if p[_GREEDY] > 0:
+            out[i] = torch.log_softmax(x, dim=-1)
+            continue
+        x = x / p[_T]
+        k = int(p[_TOPK])
+        if k > 0:
+            kth = x.topk(k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p[_MINP] > 0:
+            probs = probs.masked_fill(probs < p[_MINP] * probs.max(), 0.0)
+        if p[_TOPP] < 1:
+            sorted_p, order = probs.sort(descending=True)
+            mass_before = sorted_p.cumsum(0) - sorted_p
+            drop = torch.zeros_like(probs, dtype=torch.bool)
+            drop[order] = mass_before >= p[_TOPP] * sorted_p.sum()
+            probs = probs.masked_fill(drop, 0.0)
+        out[i] = torch.log(probs / probs.sum())
+    return out

@@ -48,6 +48,7 @@ class Sequence:
         # unless EngineConfig.recompute_on_weight_change is off).
         self.output_kv_versions: list[int] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
+        self.prompt_scores = None  # PromptScores of the prompt (requests with prompt_logprobs), set at prefill
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -120,6 +121,8 @@ class Sequence:
             "prompt_tokens": len(self.prompt.prompt_ids),
             "output_tokens": len(self.output_ids),
         }
+        prompt_lps, prompt_ranks = (None, None) if self.prompt_scores is None else \
+            self.prompt_scores.as_dicts(self.sampling.prompt_logprobs or 0)
         return GenerationOutput(
             request_id=self.request_id, prompt_ids=list(self.prompt.prompt_ids), output_ids=list(self.output_ids),
             output_logprobs=list(self.output_logprobs), output_versions=list(self.output_versions),
@@ -127,4 +130,5 @@ class Sequence:
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
             error=self.error, sample_index=self.sample_index, pixel_values=self.prompt.pixel_values,
-            image_grid_thw=self.prompt.image_grid_thw)
+            image_grid_thw=self.prompt.image_grid_thw, prompt_logprobs=prompt_lps,
+            prompt_logprob_ranks=prompt_ranks)
