@@ -97,8 +97,8 @@ class SamplingParams:
     def __post_init__(self):
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", f"must be None or an integer in [0, 20], got {self.prompt_logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", f"must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         # A scoring request (prompt logprobs) may ask for no new token at all.
         least = 0 if self.prompt_logprobs is not None else 1
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= least, "max_new_tokens",

@@ -125,7 +125,10 @@ class EngineCore:
         self.weights = WeightsClock()
         self._changes_applied = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
-                      "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
+                      "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
+                      "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}
+        # Called with the tokens each step computed (prompt + decode), after the step: e.g. a server's histogram.
+        self.step_observers: list = []
 
     # ================================================================== the step
     def step(self) -> int:
@@ -134,6 +137,7 @@ class EngineCore:
             return 0
         t0 = time.perf_counter()
         produced = 0
+        computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"]
         policy = self.policy
         # The mode switch walks every module: only when a trainer left the policy in training mode.
         with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
@@ -151,6 +155,9 @@ class EngineCore:
                     produced += self._prefill_groups(fresh, version, stamp_of)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
+        computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"] - computed
+        for observe in self.step_observers:
+            observe(computed)
         return produced
 
     def _schedule(self):
@@ -313,7 +320,12 @@ class EngineCore:
                 for s in reversed(group):
                     sch.preempt(s, count=False)
                 continue
-            prefix.hits += len(group) - (1 if todo.pop(key, None) is not None else 0)
+            computed_here = todo.pop(key, None)
+            prefix.hits += len(group) - (1 if computed_here is not None else 0)
+            # Token counts as vLLM's prefix_cache_queries / hits: each member's prompt, and what it did not compute.
+            self.stats["prefix_cache_query_tokens"] += len(group) * entry.num_tokens
+            self.stats["prefix_cache_hit_tokens"] += len(group) * entry.num_tokens - (
+                entry.num_tokens - computed_here[2] if computed_here is not None else 0)
             for s in group:
                 if s.sampling.prompt_logprobs is not None:
                     s.prompt_scores = entry.scores

@@ -75,7 +75,7 @@ class PromptScorer:
         s.logprobs += chosen.squeeze(1).tolist()
         s.ranks += ranks.tolist()
         if s.k:
-            vals, idx = lp.topk(s.k, dim=-1)
+            vals, idx = lp.topk(min(s.k, lp.shape[-1]), dim=-1)
             s.top += [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
         else:
             s.top += [{} for _ in range(n)]

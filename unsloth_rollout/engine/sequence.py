@@ -69,6 +69,7 @@ class Sequence:
         seed = sampling.seed
         self.rng = random.Random(sample_stream_seed(seed, sample_index)) if seed is not None else None
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admitted to a step (queue time ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
@@ -116,6 +117,7 @@ class Sequence:
         metrics = {
             "arrival_time": self.arrival_time,
             "ttft_s": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
+            "queue_s": None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
             "latency_s": now - self.arrival_time,
             "num_preemptions": self.num_preemptions,
             "prompt_tokens": len(self.prompt.prompt_ids),
