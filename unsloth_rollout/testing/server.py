@@ -53,3 +53,8 @@ def serve_subprocess(model_dir: str, *args: str, log_path, timeout_s: float = 18
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def completion_length_reward(completions=None, **kwargs) -> list[float]:
+    """A picklable toy reward (TRL's async GRPO sends reward functions to a spawned process): longer is better."""
+    return [min(len(str(c)), 100) / 100.0 for c in completions or []]
