@@ -86,6 +86,8 @@ def test_prompt_logprobs_shape_and_values(server, policy):
         assert int(first_id) == PROMPT[j + 1] and abs(first["logprob"] - float(want[j])) <= TOL
         assert first["rank"] == int((rows[j] > rows[j][PROMPT[j + 1]]).sum()) + 1
         assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        for tid, v in entry.items():
+            assert v["rank"] == int((rows[j] > rows[j][int(tid)]).sum()) + 1
 
 
 def test_prompt_logprobs_zero_is_honoured(server):
@@ -156,7 +158,8 @@ def test_server_reports_and_returns_processed_logprobs(server, policy):
     _, logits = teacher_forced(policy, PROMPT, out)
     cfg = policy.config
     banned = [getattr(cfg, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                        "vision_end_token_id")] + [policy.tokenizer.convert_tokens_to_ids("<|vision_pad|>")]
+                                        "vision_end_token_id")]
+    banned.append(policy.tokenizer.convert_tokens_to_ids("<|vision_pad|>"))
     raw_gap = 0.0
     for i, tok in enumerate(out):
         x = logits[i].double().clone()

@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body
 from ..engine.engine import RequestStream
+from .scoring import echo_logprobs, prompt_logprobs_json, truncate_prompt
 from .state import ClientDisconnected, ServerState, run_until_disconnect
 from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
 
@@ -112,28 +113,6 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
     except InvalidRequestError as e:
         param = lp_param if e.field == "logprobs" else _PARAM.get(e.field, e.field)
         raise APIError(str(e).replace(e.field, param, 1), param=param) from None
-
-
-def truncate_prompt(state: ServerState, ids: list[int], req, param: str, has_images: bool = False) -> list[int]:
-    """``truncate_prompt_tokens`` (-1: max_model_len) keeps the last (``truncation_side="left"``, vLLM's default)
-    or first N tokens; a prompt with images is not cut (it would split an image's placeholders): 400."""
-    k = req.truncate_prompt_tokens
-    if k is None:
-        return ids
-    limit = state.engine.max_model_len
-    if k == -1:
-        k = limit
-    if k > limit:
-        raise APIError(f"truncate_prompt_tokens ({k}) cannot be greater than max_model_len ({limit})",
-                       param="truncate_prompt_tokens")
-    if k == 0:
-        raise APIError("truncate_prompt_tokens must be -1 or >= 1", param="truncate_prompt_tokens")
-    if len(ids) <= k:
-        return ids
-    if has_images:
-        raise APIError(f"truncate_prompt_tokens={k} would cut a prompt of {len(ids)} tokens that holds images",
-                       param="truncate_prompt_tokens")
-    return ids[:k] if req.truncation_side == "right" else ids[-k:]
 
 
 def _max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str) -> int:
@@ -322,33 +301,6 @@ def _completion_logprobs(state, prep: Prepared, ids, lps, tops, offset: int = 0)
             "tokens": tokens, "top_logprobs": top_out}
 
 
-def prompt_logprobs_json(state, out) -> list | None:
-    """vLLM's ``prompt_logprobs``: [None, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...], the
-    prompt's own token first, then the top k (ranks 1..k)."""
-    if out.prompt_logprobs is None:
-        return None
-    result = [None]
-    for d, rank in zip(out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:]):
-        items = list(d.items())
-        entry = {}
-        for j, (t, v) in enumerate(items):
-            r = rank if j == 0 else j
-            if t in entry:
-                continue
-            entry[t] = {"logprob": _lp(v), "rank": r, "decoded_token": state.token_str(t)}
-        result.append(entry)
-    return result
-
-
-def _echo_logprobs(out):
-    """(ids, logprobs, tops) of an echoed completion: the prompt's (first None) then the output's."""
-    prompt = out.prompt_logprobs or [None] * len(out.prompt_ids)
-    lps = [None if d is None else next(iter(d.values())) for d in prompt] + list(out.output_logprobs)
-    tops = [None if d is None else dict(list(d.items())[1:]) for d in prompt] + list(out.top_logprobs or
-                                                                                      [{}] * len(out.output_ids))
-    return list(out.prompt_ids) + list(out.output_ids), lps, tops
-
-
 def _text(state, out, req) -> str:
     text = out.text
     if req.include_stop_str_in_output:
@@ -421,7 +373,7 @@ def completion_response(state, req: CompletionRequest, prep: Prepared, results: 
             text, lp_in = _text(state, out, req), (out.output_ids, out.output_logprobs, out.top_logprobs)
             if prep.echo_texts is not None:
                 text = prep.echo_texts[k] + text
-                lp_in = _echo_logprobs(out)
+                lp_in = echo_logprobs(out)
             choice = {"index": k * prep.n + out.sample_index, "text": text,
                       "logprobs": None if prep.logprobs is None else _completion_logprobs(state, prep, *lp_in),
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
