@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
+pytestmark = pytest.mark.trl
 
 import torch  # noqa: E402
 
