@@ -287,3 +287,37 @@ def test_beam_search_is_a_documented_400(server):
     err = _post(server, "/v1/completions", {"model": NAME, "prompt": PROMPT, "use_beam_search": True},
                 400)["error"]
     assert err["param"] == "use_beam_search"
+
+
+def test_chat_prompt_logprobs_with_an_image(server, policy):
+    """test_vision.py with prompt_logprobs: a chat prompt holding an image is scored with the image's pixels; the
+    expanded prompt (``prompt_token_ids``) and the processor's own pixel_values feed the teacher-forced oracle."""
+    import numpy as np
+    from PIL import Image
+
+    url = _png_url(9)
+    body = _post(server, "/v1/chat/completions", {"model": NAME, "max_tokens": 1, "prompt_logprobs": 0,
+                                                  "return_token_ids": True, "messages": [{"role": "user", "content": [
+                                                      {"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "what is it?"}]}]})
+    ids, plp = body["prompt_token_ids"], body["prompt_logprobs"]
+    assert policy.config.image_token_id in ids
+    img = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    vis = policy.processor.image_processor(images=[np.asarray(img)], return_tensors="pt")
+    want, _ = teacher_forced(policy, ids[:1], ids[1:], pixel_values=vis["pixel_values"],
+                             image_grid_thw=vis["image_grid_thw"])
+    got = torch.tensor([next(iter(e.values()))["logprob"] for e in plp[1:]])
+    assert (got - want).abs().max() <= TOL
+
+
+def test_chat_echo_continues_the_final_assistant_message(server):
+    """test_chat.py::test_echo (chat): with echo and a final assistant message continued, the returned content
+    starts with that message; without echo it does not repeat it."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]
+    def content(echo):
+        return _post(server, "/v1/chat/completions", {"model": NAME, "max_tokens": 3, "temperature": 0,
+                                                      "echo": echo, "continue_final_message": True,
+                                                      "add_generation_prompt": False, "messages": msgs}
+                     )["choices"][0]["message"]["content"]
+    with_echo, without = content(True), content(False)
+    assert with_echo == "Well, " + without
