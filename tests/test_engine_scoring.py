@@ -127,3 +127,26 @@ def test_processed_logprobs_match_an_independent_oracle(engine, policy, knobs):
         assert abs(raw.output_logprobs[i] - float(torch.log_softmax(logits[i] / sp.temperature, -1)[tok])) <= TOL
     diff = max(abs(a - b) for a, b in zip(out.output_logprobs, raw.output_logprobs))
     assert diff > 1e-3  # the two modes do differ here (a test that could not fail otherwise)
+
+
+def test_processed_logprobs_rows_with_different_settings_in_one_batch(engine, policy):
+    """Rows of one sampler call with different T / top-k / top-p / min-p, and a greedy row (its processed
+    logprobs: the penalised logits at T = 1, unfiltered), each equal to the oracle of its own settings."""
+    prompt = list(range(60, 70))
+    settings = [dict(temperature=0.7, top_p=0.8, seed=1), dict(temperature=1.2, top_k=5, min_p=0.05, seed=2),
+                dict(temperature=0.0, repetition_penalty=1.2)]
+    sps = [SamplingParams(max_new_tokens=6, logprobs_mode="processed_logprobs", **k) for k in settings]
+    outs = engine.generate([GenerationRequest(input_ids=prompt, sampling=sp) for sp in sps])
+    for sp, out in zip(sps, outs):
+        _, logits = teacher_forced(policy, prompt, out.output_ids)
+        for i, tok in enumerate(out.output_ids):
+            if sp.greedy:
+                x = logits[i].double().clone()
+                seen = torch.tensor(sorted(set(prompt + out.output_ids[:i])))
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+                want = torch.log_softmax(x, -1)
+                assert tok == int(want.argmax())
+            else:
+                want = _processed_oracle(logits[i], prompt + out.output_ids[:i], out.output_ids[:i], sp)
+            assert abs(out.output_logprobs[i] - float(want[tok])) <= TOL

@@ -169,30 +169,25 @@ class Sampler:
 def processed_logprobs(proc: torch.Tensor, par: torch.Tensor) -> torch.Tensor:
     """[B, V] log-probabilities of the distribution each row samples from (vLLM's "processed_logprobs").
 
-    ``proc``: the rows' logits after penalties and bans; ``par``: their parameter rows. Each row on its own:
-    divide by T, keep its top-k, drop tokens under min_p x the top probability, keep the smallest top-p prefix
-    of what is left (the same keep rules ``Sampler._sample`` draws with), renormalise. Greedy rows: the penalised
-    logits at T = 1, unfiltered (as vLLM's greedy rows). Tokens outside the kept set get -inf.
+    ``proc``: the rows' logits after penalties and bans; ``par``: their parameter rows. Row-wise (no row's kept
+    set depends on another's): divide by T, keep the row's top-k, drop tokens under min_p x the top probability,
+    keep the smallest top-p prefix of what is left (the keep rules ``Sampler._sample`` draws with), renormalise.
+    Greedy rows: the penalised logits at T = 1, unfiltered (as vLLM's greedy rows). Dropped tokens get -inf.
     """
-    out = torch.empty_like(proc)
-    for i in range(proc.shape[0]):  # per row: no row's kept set depends on another's
-        x, p = proc[i], par[i]
-        if p[_GREEDY] > 0:
-            out[i] = torch.log_softmax(x, dim=-1)
-            continue
-        x = x / p[_T]
-        k = int(p[_TOPK])
-        if k > 0:
-            kth = x.topk(k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p[_MINP] > 0:
-            probs = probs.masked_fill(probs < p[_MINP] * probs.max(), 0.0)
-        if p[_TOPP] < 1:
-            sorted_p, order = probs.sort(descending=True)
-            mass_before = sorted_p.cumsum(0) - sorted_p
-            drop = torch.zeros_like(probs, dtype=torch.bool)
-            drop[order] = mass_before >= p[_TOPP] * sorted_p.sum()
-            probs = probs.masked_fill(drop, 0.0)
-        out[i] = torch.log(probs / probs.sum())
-    return out
+    greedy = par[:, _GREEDY:_GREEDY + 1] > 0
+    x = proc / torch.where(greedy, torch.ones_like(par[:, _T:_T + 1]), par[:, _T:_T + 1])
+    kk = torch.where(greedy.squeeze(1), torch.zeros_like(par[:, _TOPK]), par[:, _TOPK]).long()
+    if bool((kk > 0).any()):
+        kth = x.topk(int(kk.max()), dim=-1).values.gather(1, (kk - 1).clamp(min=0).unsqueeze(1))
+        x = x.masked_fill((kk.unsqueeze(1) > 0) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    min_p = torch.where(greedy, torch.zeros_like(par[:, _MINP:_MINP + 1]), par[:, _MINP:_MINP + 1])
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    top_p = torch.where(greedy, torch.ones_like(par[:, _TOPP:_TOPP + 1]), par[:, _TOPP:_TOPP + 1])
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = (mass_before >= top_p * sorted_p.sum(-1, keepdim=True)) & (top_p < 1)
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+    return torch.log(probs / probs.sum(-1, keepdim=True))
