@@ -328,6 +328,16 @@ class UnslothInferenceEngine(InferenceEngine):
             processor=req.processor,
         )
 
+    def compute_logp(self, data: list[dict[str, Any]]) -> list:
+        """Teacher scoring (AReaL's on-policy distillation): per trajectory, ``[B, T]`` logprobs of each token
+        given the ones before it at ``loss_mask`` positions (0 elsewhere), ``log_softmax(raw_logits)`` of the
+        served policy; rows run as prefill-only engine requests, batched (``unsloth_rollout.areal.scoring``)."""
+        from .scoring import compute_logp
+
+        engine = self.rollout_engine
+        name = get_versioned_lora_name(self.config.lora_name, self.get_version()) if engine.lora_adapters else None
+        return compute_logp(engine, data, name if name in engine.lora_adapters else None)
+
     # ------------------------------------------------------------------ versions
     def set_version(self, version: int) -> None:
         """Stamp later tokens with ``version``, and wake AReaL's dispatcher so staleness capacity is re-read."""

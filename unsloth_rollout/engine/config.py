@@ -11,6 +11,10 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+# "raw_logprobs": log_softmax(raw_logits / T), what a trainer recomputes; "processed_logprobs": the log of the
+# distribution the token was drawn from (penalties, bans, top-k / top-p / min-p applied, renormalised), as vLLM's.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow to inf/NaN.
 SAMPLING_EPS = 1e-5
 
@@ -64,7 +68,11 @@ class SamplingParams:
     (seed, i), so requests seeded s and s + 1 share none. ``logprobs`` is the number of top logprobs to
     return per token (the sampled token's own logprob is always returned). Logprobs follow AReaL's convention:
     ``log_softmax(raw_logits / temperature)[token]`` (temperature 1 when greedy), before top-k/p,
-    penalties and masks.
+    penalties and masks (``logprobs_mode="raw_logprobs"``, the default); ``"processed_logprobs"`` returns, as
+    vLLM's mode of that name, the log of the distribution the token was drawn from (after penalties, bans and
+    top-k / min-p / top-p, renormalised; a greedy row's: penalised logits at T = 1). ``prompt_logprobs=k``
+    scores the prompt: each prompt token's ``log_softmax(raw_logits)`` given the tokens before it, plus the top k
+    (vLLM's shape); with it ``max_new_tokens`` may be 0 (score only, no token sampled).
     """
 
     max_new_tokens: int = 256
@@ -83,10 +91,19 @@ class SamplingParams:
     logprobs: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    logprobs_mode: str = "raw_logprobs"
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
-               f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
+               f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", f"must be None or an integer >= 0, got {self.prompt_logprobs!r}")
+        # A scoring request (prompt logprobs) may ask for no new token at all.
+        least = 0 if self.prompt_logprobs is not None else 1
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= least, "max_new_tokens",
+               f"must be an integer >= {least}, got {self.max_new_tokens!r}"
+               + ("" if least == 0 else " (0 is allowed only with prompt_logprobs)"))
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                f"must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}")
         _check(_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,

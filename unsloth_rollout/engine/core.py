@@ -26,6 +26,7 @@ from .prefix_cache import PrefixEntry, prefix_key
 from .runner import ModelRunner, _text_dims
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .scoring import PromptScorer
 from .sequence import Sequence, Status
 
 logger = logging.getLogger("unsloth_rollout")
@@ -124,7 +125,10 @@ class EngineCore:
         self.weights = WeightsClock()
         self._changes_applied = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
-                      "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0}
+                      "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
+                      "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}
+        # Called with the tokens each step computed (prompt + decode), after the step: e.g. a server's histogram.
+        self.step_observers: list = []
 
     # ================================================================== the step
     def step(self) -> int:
@@ -133,6 +137,7 @@ class EngineCore:
             return 0
         t0 = time.perf_counter()
         produced = 0
+        computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"]
         policy = self.policy
         # The mode switch walks every module: only when a trainer left the policy in training mode.
         with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
@@ -150,6 +155,9 @@ class EngineCore:
                     produced += self._prefill_groups(fresh, version, stamp_of)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
+        computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"] - computed
+        for observe in self.step_observers:
+            observe(computed)
         return produced
 
     def _schedule(self):
@@ -205,7 +213,7 @@ class EngineCore:
             rows.append(logits)
         return self._sample(ready, torch.stack(rows), version) if ready else 0
 
-    def _run_packs(self, packs: list[list], item, head, release) -> tuple[dict, dict]:
+    def _run_packs(self, packs: list[list], item, head, release, scorer=lambda k: None) -> tuple[dict, dict]:
         """Run each pack of keys in one packed prefill forward (``item(key)``: (ids, slots, prompt); ``head(key)``:
         the sequence it is computed for (adapter, request id); ``release(key)``: free what a key holds when it will
         not be computed).
@@ -216,7 +224,9 @@ class EngineCore:
         while queue:
             pack = queue.pop(0)
             try:
-                outs = self.runner.prefill_packed([item(k) for k in pack], head(pack[0]).lora_name)
+                scorers = [scorer(k) for k in pack]
+                outs = self.runner.prefill_packed([item(k) for k in pack], head(pack[0]).lora_name,
+                                                  scorers if any(scorers) else None)
             except ModelNotServableError:
                 for k in [k for p in [pack] + queue for k in p]:
                     release(k)
@@ -259,11 +269,18 @@ class EngineCore:
         sampler call for all members."""
         sch, prefix, kv = self.scheduler, self.scheduler.prefix, self.kv
         todo: dict = {}  # key -> (blocks, head, start): prompts to compute this step from position start
+        scorers: dict = {}  # key -> PromptScorer: prompts whose every position is scored (prompt_logprobs)
         ready = []
         for group in groups:
             key = prefix_key(group[0])
+            want = max((s.sampling.prompt_logprobs for s in group if s.sampling.prompt_logprobs is not None),
+                       default=None)
+            if want is not None:
+                entry = prefix.lookup(key)
+                if entry is not None and (entry.scores is None or entry.scores.k < want):
+                    prefix.drop(key)  # cached without (enough) scores: computed again below, scored
             if key not in todo and prefix.lookup(key) is None:
-                plan = self._extendable(group[0], stamp_of)
+                plan = None if want is not None else self._extendable(group[0], stamp_of)
                 if plan is None:
                     blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
                     if blocks is None:  # memory went elsewhere this step: wait in line, first
@@ -272,6 +289,8 @@ class EngineCore:
                         continue
                     plan = (blocks, group[0], 0)
                 todo[key] = plan
+                if want is not None:
+                    scorers[key] = PromptScorer(group[0].prompt_ids, want)
             ready.append((group, key))
         # Prompts from position 0 pack together; one that extends a cached prompt runs alone, from where it ends.
         packs = self._packs([(k, head, len(head.prompt_ids)) for k, (_, head, start) in todo.items() if not start])
@@ -279,11 +298,12 @@ class EngineCore:
         done, failed = self._run_packs(
             packs, item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
                                    todo[k][1].prompt) + ((todo[k][2],) if todo[k][2] else ()),
-            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]))
+            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]), scorer=scorers.get)
         for k, (logits, delta) in done.items():
             blocks, h, start = todo[k]
             n = len(h.prompt_ids)
-            prefix.insert(k, PrefixEntry(blocks, n, logits, delta, version, stamp_of(h.lora_name)))
+            scores = scorers[k].result() if k in scorers else None
+            prefix.insert(k, PrefixEntry(blocks, n, logits, delta, version, stamp_of(h.lora_name), scores))
             self.stats["prefill_tokens"] += n - start
             self.stats["prefills"] += 1
             if start:
@@ -301,8 +321,18 @@ class EngineCore:
                 for s in reversed(group):
                     sch.preempt(s, count=False)
                 continue
-            prefix.hits += len(group) - (1 if todo.pop(key, None) is not None else 0)
+            computed_here = todo.pop(key, None)
+            prefix.hits += len(group) - (1 if computed_here is not None else 0)
+            # Token counts as vLLM's prefix_cache_queries / hits: each member's prompt, and what it did not compute.
+            self.stats["prefix_cache_query_tokens"] += len(group) * entry.num_tokens
+            self.stats["prefix_cache_hit_tokens"] += len(group) * entry.num_tokens - (
+                entry.num_tokens - computed_here[2] if computed_here is not None else 0)
             for s in group:
+                if s.sampling.prompt_logprobs is not None:
+                    s.prompt_scores = entry.scores
+                if s.sampling.max_new_tokens == 0:  # scoring only: nothing to sample
+                    self.finish(s, "length")
+                    continue
                 own = []
                 if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
                     sch.preempt(s, count=False)

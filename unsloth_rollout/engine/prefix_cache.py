@@ -32,6 +32,7 @@ class PrefixEntry:
     rope_delta: int
     version: int
     stamp: tuple = ()  # the engine's weights stamp when this KV was computed (stale once it changes)
+    scores: object = None  # PromptScores of every prompt position, when a scoring request computed them
 
 
 def prefix_key(seq) -> tuple:

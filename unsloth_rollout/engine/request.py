@@ -78,6 +78,10 @@ class GenerationOutput:
     # The vision inputs the prompt ran with (VLM requests with images): the exact tensors, for trainers.
     pixel_values: Any = None
     image_grid_thw: Any = None
+    # With SamplingParams(prompt_logprobs=k): per prompt position, None at 0, then {prompt token: logprob, top k
+    # ...} (the prompt's token first; log_softmax(raw_logits) at T = 1), and the prompt token's rank.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -199,21 +199,26 @@ class ModelRunner:
                 mm[k] = v
         return position_ids, delta, mm
 
-    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None):
+    def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None, scorer=None):
         """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
         PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
         a preempted sequence is recomputed): pixel_values, image_grid_thw and the family's other processor
-        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). Returns (logits [V], rope_delta)."""
+        outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). ``scorer``: a PromptScorer that gets
+        every position's logits (scoring requests). Returns (logits [V], rope_delta)."""
         input_ids = torch.tensor([ids], device=self.device)
         position_ids, delta, mm = self._prompt_inputs(ids, prompt)
         block = self._image_blocks(input_ids)
         ctx = ForwardContext.prefill(len(ids), self.device, block)
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
-        logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), **mm)
-        return logits[0], delta
+        keep = None if scorer is None else torch.arange(len(ids), device=self.device)
+        logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]), keep=keep, **mm)
+        if scorer is None:
+            return logits[0], delta
+        scorer.add(0, logits)
+        return logits[-1], delta
 
     def prefill_chunked(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None,
-                        start: int = 0):
+                        start: int = 0, scorer=None):
         """``prefill`` of positions ``start ..`` (the first ``start`` already in the pool, e.g. a cached earlier
         turn), in forwards of at most ``prefill_chunk_tokens`` tokens when there are more: from position 0 the
         first runs through the last image placeholder (it needs the pixels), each later one attends to the KV the
@@ -221,17 +226,21 @@ class ModelRunner:
         n = len(ids)
         chunk = self.prefill_chunk_tokens or n
         out = None
+        if scorer is not None:
+            if start:
+                raise ValueError("prefill_chunked: a scored prompt is prefilled from position 0")
+            scorer.reset()
         if start == 0:
             vis = [i for i, t in enumerate(ids) if t in self.vision_token_ids] if self.vision_token_ids else []
             start = min(n, max(chunk, vis[-1] + 1 if vis else 0))
-            out = self.prefill(ids[:start], slots[:start], prompt, adapter)
+            out = self.prefill(ids[:start], slots[:start], prompt, adapter, scorer)
         for begin in range(start, n, chunk):
             end = min(n, begin + chunk)
-            out = self.prefill_continue(ids[:end], begin, slots[:end], prompt, adapter)
+            out = self.prefill_continue(ids[:end], begin, slots[:end], prompt, adapter, scorer)
         return out
 
     def prefill_continue(self, ids: list[int], start: int, slots: list[int], prompt=None,
-                         adapter: str | None = None):
+                         adapter: str | None = None, scorer=None):
         """Prefill positions ``start ..`` of a prompt whose first ``start`` positions are already in the pool
         (``slots``: all of its positions): the new tokens attend to the cached ones through a gather, with the
         positions (M-RoPE included) the whole prompt gives them. The new tokens must hold no image placeholders
@@ -245,8 +254,13 @@ class ModelRunner:
         ctx = ForwardContext("prefill", q_pos, k_pos, None)
         slots_t = torch.tensor(slots, device=dev)
         view = CacheView(self.kv, slots_t[start:], slots_t.unsqueeze(0), n, ctx)
-        logits = self._forward(input_ids, position_ids[..., start:], ctx, view, self.adapter_names([adapter]))
-        return logits[0], delta
+        keep = None if scorer is None else torch.arange(n - start, device=dev)
+        logits = self._forward(input_ids, position_ids[..., start:], ctx, view, self.adapter_names([adapter]),
+                               keep=keep)
+        if scorer is None:
+            return logits[0], delta
+        scorer.add(start, logits)
+        return logits[-1], delta
 
     def _image_blocks(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Image-block ids for the prefill mask of families whose image tokens attend bidirectionally."""
@@ -279,18 +293,19 @@ class ModelRunner:
             return False
         return getattr(prompt, "image_grid_thw", None) is not None or pixels.dim() == 4
 
-    def prefill_packed(self, items: list[tuple], adapter: str | None = None):
+    def prefill_packed(self, items: list[tuple], adapter: str | None = None, scorers: list | None = None):
         """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``; a lone item may add ``start``,
         its positions already cached, see ``prefill_chunked``) in one forward: packed into one
         row, each position attending only to its own prompt (``ForwardContext.segment``), with its own positions
         (M-RoPE rows included) and the vision tower run once over all their images. Returns [(logits [V],
-        rope_delta)] per prompt."""
+        rope_delta)] per prompt. ``scorers[i]``: a PromptScorer for item i (every position's logits), or None."""
+        scorers = scorers or [None] * len(items)
         if len(items) == 1:
             ids, slots, prompt, *start = items[0]
-            return [self.prefill_chunked(ids, slots, prompt, adapter, *start)]
+            return [self.prefill_chunked(ids, slots, prompt, adapter, *(start or [0]), scorer=scorers[0])]
         dev = self.device
         all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
-        vision = []
+        vision, kept = [], []  # kept: packed positions whose logits come back (every one of a scored prompt)
         for i, (ids, slots, prompt) in enumerate(items):
             if not self.can_pack(prompt):
                 raise ValueError("prefill_packed: a prompt with non-concatenable vision inputs")
@@ -299,10 +314,15 @@ class ModelRunner:
             deltas.append(delta)
             if mm:
                 vision.append(mm)
+            if scorers[i] is not None:
+                scorers[i].reset()
+                kept += range(len(all_ids), len(all_ids) + len(ids))
+            else:
+                kept.append(len(all_ids) + len(ids) - 1)
             all_ids += ids
             all_slots += slots
             seg += [i] * len(ids)
-            lasts.append(len(all_ids) - 1)
+            lasts.append(len(kept) - 1)  # where prompt i's last position sits among the kept rows
         input_ids = torch.tensor([all_ids], device=dev)
         position_ids = torch.cat(positions, dim=-1)
         mm = concat_vision_inputs(vision, PACK_DIMS.get(self.model_type)) if vision else {}
@@ -311,8 +331,12 @@ class ModelRunner:
         ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
         view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]),
-                               keep=torch.tensor(lasts, device=dev), **mm)
-        return [(logits[i], deltas[i]) for i in range(len(items))]
+                               keep=torch.tensor(kept, device=dev), **mm)
+        for i, sc in enumerate(scorers):
+            if sc is not None:
+                n = len(items[i][0])
+                sc.add(0, logits[lasts[i] - n + 1:lasts[i] + 1])
+        return [(logits[lasts[i]], deltas[i]) for i in range(len(items))]
 
     def release_workspace(self) -> None:
         if self.workspace is not None:

@@ -1,10 +1,12 @@
 """Sampler: logits -> token, logprob (+ top logprobs), per-row parameters, seeded.
 
 Logprobs are ``log_softmax(raw_logits / T)[token]`` (T = 1 when greedy), computed before
-penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Sampling uses one
-uniform number per row from that row's own RNG (inverse CDF over the vocabulary in its natural
-order, for every row: top-p sorts only its own rows to find the nucleus), so a seeded request draws
-the same tokens whatever else, with whatever parameters, is in the batch.
+penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Rows whose request asks for
+``logprobs_mode="processed_logprobs"`` get, from a separate step (``processed_logprobs``), the log of the
+distribution they were sampled from, as vLLM's mode of that name. Sampling uses one uniform number per row
+from that row's own RNG (inverse CDF over the vocabulary in its natural order, for every row: top-p sorts only
+its own rows to find the nucleus), so a seeded request draws the same tokens whatever else, with whatever
+parameters, is in the batch.
 """
 
 from __future__ import annotations
@@ -92,7 +94,13 @@ class Sampler:
             tokens[gi] = proc[gi].argmax(dim=-1)
             tokens[si] = self._sample(proc[si], [seqs[i] for i in s_idx], par[si])
 
-        chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        lp_src = raw_lp
+        proc_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs_mode == "processed_logprobs"]
+        if proc_rows:  # only rows that ask for them: the raw default is computed exactly as before
+            lp_src = raw_lp.clone()
+            pi = torch.tensor(proc_rows, device=dev)
+            lp_src[pi] = processed_logprobs(proc[pi], par[pi])
+        chosen = lp_src.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tok_list = tokens.tolist()
         lp_list = chosen.tolist()
         top: list[dict[int, float] | None] = [None] * b
@@ -100,7 +108,7 @@ class Sampler:
         if want:
             k_max = max(seqs[i].sampling.logprobs for i in want)
             wi = torch.tensor(want, device=dev)
-            vals, idx = raw_lp[wi].topk(k_max, dim=-1)
+            vals, idx = lp_src[wi].topk(k_max, dim=-1)
             vals, idx = vals.tolist(), idx.tolist()
             for j, i in enumerate(want):
                 k = seqs[i].sampling.logprobs
@@ -169,3 +177,30 @@ class Sampler:
         probs = probs.clone()
         probs[rows] = sub.masked_fill(drop, 0.0)
         return probs
+
+
+def processed_logprobs(proc: torch.Tensor, par: torch.Tensor) -> torch.Tensor:
+    """[B, V] log-probabilities of the distribution each row samples from (vLLM's "processed_logprobs").
+
+    ``proc``: the rows' logits after penalties and bans; ``par``: their parameter rows. Row-wise (no row's kept
+    set depends on another's): divide by T, keep the row's top-k, drop tokens under min_p x the top probability,
+    keep the smallest top-p prefix of what is left (the keep rules ``Sampler._sample`` draws with), renormalise.
+    Greedy rows: the penalised logits at T = 1, unfiltered (as vLLM's greedy rows). Dropped tokens get -inf.
+    """
+    greedy = par[:, _GREEDY:_GREEDY + 1] > 0
+    x = proc / torch.where(greedy, torch.ones_like(par[:, _T:_T + 1]), par[:, _T:_T + 1])
+    kk = torch.where(greedy.squeeze(1), torch.zeros_like(par[:, _TOPK]), par[:, _TOPK]).long()
+    if bool((kk > 0).any()):
+        kth = x.topk(int(kk.max()), dim=-1).values.gather(1, (kk - 1).clamp(min=0).unsqueeze(1))
+        x = x.masked_fill((kk.unsqueeze(1) > 0) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    min_p = torch.where(greedy, torch.zeros_like(par[:, _MINP:_MINP + 1]), par[:, _MINP:_MINP + 1])
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    top_p = torch.where(greedy, torch.ones_like(par[:, _TOPP:_TOPP + 1]), par[:, _TOPP:_TOPP + 1])
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = (mass_before >= top_p * sorted_p.sum(-1, keepdim=True)) & (top_p < 1)
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+    return torch.log(probs / probs.sum(-1, keepdim=True))

@@ -11,6 +11,7 @@ recomputed when it is admitted again).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -100,6 +101,8 @@ class Scheduler:
                     break
             for s in members:
                 self.waiting.remove(s)
+                if s.scheduled_time is None:  # the first admission ends the request's time in the queue
+                    s.scheduled_time = time.perf_counter()
                 s.status = Status.RUNNING
                 self.running.append(s)
             groups.append(members)

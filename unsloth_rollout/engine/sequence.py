@@ -48,6 +48,7 @@ class Sequence:
         # unless EngineConfig.recompute_on_weight_change is off).
         self.output_kv_versions: list[int] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
+        self.prompt_scores = None  # PromptScores of the prompt (requests with prompt_logprobs), set at prefill
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -68,6 +69,7 @@ class Sequence:
         seed = sampling.seed
         self.rng = random.Random(sample_stream_seed(seed, sample_index)) if seed is not None else None
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admitted to a step (queue time ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
@@ -115,11 +117,14 @@ class Sequence:
         metrics = {
             "arrival_time": self.arrival_time,
             "ttft_s": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
+            "queue_s": None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
             "latency_s": now - self.arrival_time,
             "num_preemptions": self.num_preemptions,
             "prompt_tokens": len(self.prompt.prompt_ids),
             "output_tokens": len(self.output_ids),
         }
+        prompt_lps, prompt_ranks = (None, None) if self.prompt_scores is None else \
+            self.prompt_scores.as_dicts(self.sampling.prompt_logprobs or 0)
         return GenerationOutput(
             request_id=self.request_id, prompt_ids=list(self.prompt.prompt_ids), output_ids=list(self.output_ids),
             output_logprobs=list(self.output_logprobs), output_versions=list(self.output_versions),
@@ -127,4 +132,5 @@ class Sequence:
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
             error=self.error, sample_index=self.sample_index, pixel_values=self.prompt.pixel_values,
-            image_grid_thw=self.prompt.image_grid_thw)
+            image_grid_thw=self.prompt.image_grid_thw, prompt_logprobs=prompt_lps,
+            prompt_logprob_ranks=prompt_ranks)

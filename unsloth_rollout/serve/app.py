@@ -31,8 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine import EngineStopped, GenerationRequest, InvalidRequestError
+from ..engine.config import LOGPROBS_MODES
 from . import completions as comp
 from .media import MediaPolicy
+from .metrics import metrics_text
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
                        TokenizeRequest, UnloadLoRAAdapterRequest, UpdateWeightsFromDiskRequest,
                        UpdateWeightVersionRequest, error_body)
@@ -40,6 +42,9 @@ from .state import ServerOptions, ServerState
 
 logger = logging.getLogger("unsloth_rollout.serve")
 
+# Endpoints whose body is JSON: another content type is refused (400), as vLLM's validate_json_request does.
+_JSON_PATHS = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/load_lora_adapter",
+               "/v1/unload_lora_adapter", "/update_weight_version", "/areal_update_weights"}
 # Reachable without the API key (liveness probes and scrapers).
 _OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}
 # The pause the HTTP endpoints hold (/pause, /resume and AReaL's pause/continue share it, as in vLLM); /sleep
@@ -52,7 +57,8 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
                allow_remote_images: bool = False, max_images_per_request: int = 16,
                max_image_pixels: int = 4096 * 4096, max_n: int = 64, max_body_bytes: int = 32 << 20,
                tool_call_parser: str = "auto", generation_config: str = "auto",
-               owns_engine: bool = False) -> FastAPI:
+               owns_engine: bool = False, logprobs_mode: str = "raw_logprobs", max_lora_rank: int = 256,
+               max_loras: int = 8, max_logprobs: int = 20) -> FastAPI:
     """Build the app; every request runs on ``engine`` (a RolloutEngine).
 
     Args:
@@ -67,6 +73,10 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         generation_config: "auto" takes default temperature / top_p / top_k / min_p /
             repetition_penalty from the model's generation_config.json (as vLLM does); "vllm" ignores it.
         owns_engine: shut the engine down when the app stops.
+        logprobs_mode: "raw_logprobs" (``log_softmax(logits / T)``, what a trainer recomputes; the default) or
+            "processed_logprobs" (the distribution each token was drawn from, as vLLM's ``--logprobs-mode``).
+        max_lora_rank, max_loras: the ``lora_config`` /server_info reports (TRL sizes its adapter sync by them).
+        max_logprobs: the largest ``prompt_logprobs`` a request may ask (vLLM's ``--max-logprobs``).
 
     Example::
 
@@ -83,7 +93,10 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         served_model_names=names, model_path=path, api_key=api_key,
         media=MediaPolicy(allowed_local_media_path, allow_remote_images, max_images_per_request, max_image_pixels),
         max_n=max_n, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-        default_sampling=_default_sampling(policy) if generation_config == "auto" else {}, owns_engine=owns_engine)
+        default_sampling=_default_sampling(policy) if generation_config == "auto" else {}, owns_engine=owns_engine,
+        logprobs_mode=logprobs_mode, max_lora_rank=max_lora_rank, max_loras=max_loras, max_logprobs=max_logprobs)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     state = ServerState(engine, options)
 
     @contextlib.asynccontextmanager
@@ -175,10 +188,11 @@ class _Guard:
             self.state.counters[("errors", 400)] += 1
             return await _send_json(send, 400, error_body(
                 f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text", 400, where))
-        if headers.get(b"content-type", b"").startswith(b"application/x-www-form-urlencoded") \
-                and body.lstrip()[:1] in (b"{", b"["):  # curl -d without -H: it is JSON all the same
-            scope = dict(scope, headers=[(k, b"application/json" if k == b"content-type" else v)
-                                         for k, v in scope["headers"]])
+        media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if scope.get("method") == "POST" and scope["path"] in _JSON_PATHS and media_type != b"application/json":
+            self.state.counters[("errors", 400)] += 1  # vLLM's answer to a form or text body, a 400
+            return await _send_json(send, 400, error_body(
+                "Unsupported Media Type: Only 'application/json' is allowed", 400, "content-type"))
         replayed = False
 
         async def replay():
@@ -347,8 +361,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
             ids = comp.prepare_prompt(state, GenerationRequest(input_ids=ids, images=images or None), "messages")
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return body
 
     @app.post("/detokenize")
@@ -408,7 +421,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics():
         """Prometheus text: requests, tokens, running / waiting, KV usage (vLLM's metric names where they exist)."""
-        return PlainTextResponse(_metrics_text(state), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(state), media_type="text/plain; version=0.0.4")
 
     async def _pause(mode: str, clear_cache: bool) -> None:
         if mode == "wait":  # hold new requests at the door; the engine returns once in-flight ones finish
@@ -509,48 +522,43 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/server_info")
     async def server_info(config_format: str = "json"):
-        policy = engine.policy
-        return {"vllm_config": {"model_config": {
-            "model": state.options.model_path, "served_model_name": state.model_name,
-            "dtype": str(policy.dtype), "max_model_len": engine.max_model_len}},
-            "backend": getattr(policy, "backend", None), "version": __version__}
+        """The engine's configuration in the shape of vLLM's resolved ``VllmConfig`` (``{"vllm_config": ...}``):
+        what TRL's clients read (``lora_config``, ``parallel_config.data_parallel_size``,
+        ``model_config.logprobs_mode``, ``weight_transfer_config``), and the engine's own settings."""
+        return {"vllm_config": server_config(state), "backend": getattr(engine.policy, "backend", None),
+                "version": __version__}
+
+    async def _no_weight_transfer(raw: Request):
+        raise APIError("full-weight NCCL transfer is not supported by unsloth_rollout serve (weight_transfer_config "
+                       "is null): sync a PEFT adapter with /v1/load_lora_adapter, or full weights from disk with "
+                       "/areal_update_weights", 501, type="NotImplementedError")
+
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/init_communicator", "/update_named_param"):
+        app.add_api_route(route, _no_weight_transfer, methods=["POST"], include_in_schema=False)
 
 
-def _metrics_text(state: ServerState) -> str:
-    s = state.engine.stats()
-    c = state.counters
-    label = f'model_name="{state.model_name}"'
-    lines: list[str] = []
-
-    def metric(name, kind, help_, samples):
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{name}{{{labels}}} {float(value)}")
-
-    metric("vllm:num_requests_running", "gauge", "Sequences decoding now.", [(label, s["num_running"])])
-    metric("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", [(label, s["num_waiting"])])
-    metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full).",
-           [(label, s["kv_usage"])])
-    metric("vllm:prompt_tokens_total", "counter", "Prompt tokens received.", [(label, c["prompt_tokens"])])
-    metric("vllm:generation_tokens_total", "counter", "Tokens generated.", [(label, c["generation_tokens"])])
-    metric("vllm:request_success_total", "counter", "Finished samples by finish reason.",
-           [(f'{label},finished_reason="{k[1]}"', v) for k, v in sorted(c.items(), key=str)
-            if isinstance(k, tuple) and k[0] == "finished"] or [(f'{label},finished_reason="stop"', 0)])
-    metric("unsloth_rollout_http_requests_total", "counter", "Completion requests by endpoint.",
-           [(f'{label},endpoint="{k[1]}"', v) for k, v in sorted(c.items(), key=str)
-            if isinstance(k, tuple) and k[0] == "requests"] or [(f'{label},endpoint="chat"', 0)])
-    metric("unsloth_rollout_http_errors_total", "counter", "Error responses by status code.",
-           [(f'{label},status="{k[1]}"', v) for k, v in sorted(c.items(), key=str)
-            if isinstance(k, tuple) and k[0] == "errors"] or [(f'{label},status="400"', 0)])
-    for key in ("steps", "prefill_tokens", "decode_tokens", "prefills", "requests", "finished", "aborted", "errors",
-                "num_preemptions", "prefix_cache_hits", "prefix_cache_extensions", "prefix_cache_reused_tokens"):
-        if key in s:
-            metric(f"unsloth_rollout_engine_{key}_total", "counter", f"Engine counter {key}.", [(label, s[key])])
-    for key in ("version", "paused", "kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "decode_workspace_bytes",
-                "prefix_cache_entries", "max_model_len"):
-        if key in s:
-            metric(f"unsloth_rollout_engine_{key}", "gauge", f"Engine gauge {key}.", [(label, s[key])])
-    metric("unsloth_rollout_uptime_seconds", "gauge", "Seconds since the app was built.",
-           [(label, time.time() - state.start_time)])
-    return "\n".join(lines) + "\n"
+def server_config(state: ServerState) -> dict:
+    """``/server_info``'s ``vllm_config``: vLLM's field names for what this engine is and can do."""
+    engine, opts = state.engine, state.options
+    policy, cfg, s = engine.policy, engine.config, engine.stats()
+    return {
+        "model_config": {"model": opts.model_path, "served_model_name": state.model_name,
+                         "tokenizer": opts.model_path, "dtype": str(policy.dtype),
+                         "max_model_len": engine.max_model_len, "logprobs_mode": opts.logprobs_mode,
+                         "max_logprobs": opts.max_logprobs,
+                         "generation_config": "auto" if opts.default_sampling else "vllm",
+                         "is_multimodal_model": bool(policy.is_vlm)},
+        "cache_config": {"block_size": s["kv_block_size"], "num_gpu_blocks": s["kv_blocks_total"],
+                         "num_cpu_blocks": 0, "enable_prefix_caching": cfg.prefix_cache, "cache_dtype": "auto"},
+        "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                            "world_size": 1},
+        "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_prefill_tokens,
+                             "max_model_len": engine.max_model_len, "enable_chunked_prefill": True},
+        # Adapters are served by the engine itself (PEFT, any target module, vision tower included).
+        "lora_config": {"max_lora_rank": opts.max_lora_rank, "max_loras": opts.max_loras, "max_cpu_loras": None,
+                        "fully_sharded_loras": False, "lora_dtype": "auto"},
+        # None: no NCCL weight-transfer engine (TRL then refuses server-mode full-weight sync at start, by name).
+        "weight_transfer_config": None,
+        "device_config": {"device": str(policy.device)},
+    }

@@ -52,6 +52,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "transformers"), default="auto")
     g.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: default sampling parameters from the model's generation_config.json")
+    g.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
+                   help="raw: log_softmax(logits / T), what a trainer recomputes; processed: the distribution each "
+                   "token was drawn from (penalties, top-k/top-p/min-p, renormalised), as vLLM's")
+    g.add_argument("--max-lora-rank", type=int, default=256, help="lora_config.max_lora_rank /server_info reports")
+    g.add_argument("--max-loras", type=int, default=8, help="lora_config.max_loras /server_info reports")
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest prompt_logprobs a request may ask")
+    g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
     g.add_argument("--log-level", default="info")
     return p
 
@@ -88,7 +95,8 @@ def build_app(args: argparse.Namespace):
                       max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
                       max_n=args.max_n, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                       tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
-                      owns_engine=True)
+                      owns_engine=True, logprobs_mode=args.logprobs_mode, max_lora_rank=args.max_lora_rank,
+                      max_loras=args.max_loras, max_logprobs=args.max_logprobs)
 
 
 def run(args: argparse.Namespace) -> None:

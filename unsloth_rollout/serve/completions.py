@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body
 from ..engine.engine import RequestStream
+from .scoring import echo_logprobs, prompt_logprobs_json, truncate_prompt
 from .state import ClientDisconnected, ServerState, run_until_disconnect
 from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
 
@@ -58,6 +59,8 @@ class Prepared:
     tools: list[dict] | None = None
     tool_choice: object = "none"
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: int | None = None  # top logprobs per prompt position (None: the prompt is not scored)
+    echo_texts: list[str] | None = None  # echo: the prompt text each choice's text starts with
 
     @property
     def parse_tools(self) -> bool:
@@ -73,11 +76,17 @@ def _lp(v: float) -> float:
 
 
 # ====================================================================== request -> engine
-def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp_param: str) -> SamplingParams:
-    for name, bad in (("use_beam_search", req.use_beam_search), ("logit_bias", req.logit_bias),
-                      ("prompt_logprobs", req.prompt_logprobs), ("echo", req.echo)):
+def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp_param: str,
+              prompt_logprobs: int | None = None) -> SamplingParams:
+    for name, bad in (("use_beam_search", req.use_beam_search), ("logit_bias", req.logit_bias)):
         if bad:
             raise APIError(f"{name} is not supported by this server", param=name)
+    if req.prompt_logprobs is not None and req.prompt_logprobs > state.options.max_logprobs:
+        raise APIError(f"prompt_logprobs must be at most {state.options.max_logprobs} (the server's --max-logprobs), "
+                       f"got {req.prompt_logprobs}", param="prompt_logprobs")
+    if req.stream and (prompt_logprobs is not None or req.echo):
+        name = "echo" if req.echo else "prompt_logprobs"
+        raise APIError(f"{name} is not available when stream is true on this server", param=name)
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise APIError("response_format other than 'text' is not supported by this server", param="response_format")
     n = req.n if req.n is not None else 1
@@ -99,7 +108,8 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
             frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
             stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs or 0, n=n,
-            skip_special_tokens=req.skip_special_tokens is not False)
+            skip_special_tokens=req.skip_special_tokens is not False, logprobs_mode=state.options.logprobs_mode,
+            prompt_logprobs=prompt_logprobs)
     except InvalidRequestError as e:
         param = lp_param if e.field == "logprobs" else _PARAM.get(e.field, e.field)
         raise APIError(str(e).replace(e.field, param, 1), param=param) from None
@@ -200,6 +210,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
         ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
     else:  # a recorded session continues its earlier turns' exact tokens (image runs expanded or not)
         ids = list(prompt_ids(messages, tools, kwargs)) + state.tokenizer.encode(prefix, add_special_tokens=False)
+    ids = truncate_prompt(state, ids, req, "messages", has_images=bool(images))
     greq = GenerationRequest(input_ids=ids, images=images or None, request_id=uuid.uuid4().hex, lora_name=lora)
     expanded = prepare_prompt(state, greq, "messages")
 
@@ -207,10 +218,15 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(state, len(expanded), max_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    greq.sampling = _sampling(state, req, max_tokens, top, "top_logprobs")
+    greq.sampling = _sampling(state, req, max_tokens, top, "top_logprobs", req.prompt_logprobs)
     sp = greq.sampling
+    echo = None
+    last = messages[-1] if messages else {}
+    if req.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+        echo = [last["content"]]  # vLLM's chat echo: the answer continues the final assistant message
     return Prepared([greq], [expanded], sp.n, top, bool(req.return_tokens_as_token_ids), "messages",
-                    prompt_text=text + prefix, prefix=prefix, tools=tools, tool_choice=choice)
+                    prompt_text=text + prefix, prefix=prefix, tools=tools, tool_choice=choice,
+                    prompt_logprobs=req.prompt_logprobs, echo_texts=echo)
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
@@ -230,14 +246,27 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
             if isinstance(x, str) else list(x)
         if not ids:
             raise APIError(f"prompt{'' if len(prompts) == 1 else f'[{k}]'} must not be empty", param="prompt")
-        all_ids.append(ids)
+        all_ids.append(truncate_prompt(state, ids, req, "prompt"))
+    # vLLM: echo with logprobs scores the prompt too; max_tokens=0 only scores (echo or prompt_logprobs).
+    plp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        plp = max(plp or 0, req.logprobs)
+    if req.max_tokens == 0 and plp is None:
+        if not req.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo or prompt_logprobs)", param="max_tokens")
+        plp = 0
+    echo = None
+    if req.echo:  # vLLM's echo text: the prompt as given, or decoded ("" with return_token_ids, as vLLM)
+        echo = ["" if req.return_token_ids else (x if isinstance(x, str) and req.truncate_prompt_tokens is None
+                                                 else state.tokenizer.decode(ids))
+                for x, ids in zip(prompts, all_ids)]
     requests = []
     for ids in all_ids:
         max_tokens = _max_tokens(state, len(ids), req.max_tokens, "max_tokens", "prompt")
-        sp = _sampling(state, req, max_tokens, req.logprobs, "logprobs")
+        sp = _sampling(state, req, max_tokens, req.logprobs, "logprobs", plp)
         requests.append(GenerationRequest(input_ids=ids, sampling=sp, request_id=uuid.uuid4().hex, lora_name=lora))
     return Prepared(requests, all_ids, requests[0].sampling.n, req.logprobs,
-                    bool(req.return_tokens_as_token_ids), "prompt")
+                    bool(req.return_tokens_as_token_ids), "prompt", prompt_logprobs=plp, echo_texts=echo)
 
 
 # ====================================================================== engine -> response
@@ -259,18 +288,28 @@ def _completion_logprobs(state, prep: Prepared, ids, lps, tops, offset: int = 0)
         tokens.append(s)
         offsets.append(offset)
         offset += len(state.token_str(t))
+        if lp is None:  # an echoed prompt's first token: no context, no logprob (vLLM's None)
+            top_out.append(None)
+            continue
         entry = {s: _lp(lp)}  # the sampled token first, then the top ``logprobs`` (vLLM's shape)
         for tt, v in sorted((tops[i] if tops else {}).items(), key=lambda kv: -kv[1]):
+            if len(entry) > (prep.logprobs or 0):
+                break
             entry.setdefault(state.token_str(tt, prep.as_token_ids), _lp(v))
         top_out.append(entry)
-    return {"text_offset": offsets, "token_logprobs": [_lp(v) for v in lps], "tokens": tokens,
-            "top_logprobs": top_out}
+    return {"text_offset": offsets, "token_logprobs": [None if v is None else _lp(v) for v in lps],
+            "tokens": tokens, "top_logprobs": top_out}
 
 
-def _text(out, req) -> str:
+def _text(state, out, req) -> str:
     text = out.text
-    if req.include_stop_str_in_output and isinstance(out.stop_reason, str):
-        text += out.stop_reason
+    if req.include_stop_str_in_output:
+        if isinstance(out.stop_reason, str):
+            text += out.stop_reason
+    elif out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and out.output_ids:
+        tail = state.token_str(out.output_ids[-1])  # an EOS or stop_token_ids token: vLLM leaves its text out
+        if tail and text.endswith(tail):
+            text = text[:-len(tail)]
     return text
 
 
@@ -296,7 +335,9 @@ def chat_response(state, req: ChatCompletionRequest, prep: Prepared, outs: list,
     choices = []
     for out in outs:
         state.count_finished(out)
-        text = _text(out, req)
+        text = _text(state, out, req)
+        if prep.echo_texts:
+            text = prep.echo_texts[0] + text
         message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": [], "reasoning": None}
         finish = out.finish_reason
         if prep.parse_tools:
@@ -314,7 +355,8 @@ def chat_response(state, req: ChatCompletionRequest, prep: Prepared, outs: list,
         choices.append(choice)
     prompt_ids = outs[0].prompt_ids
     body = {"id": rid, "object": "chat.completion", "created": prep.created, "model": req.model or state.model_name,
-            "choices": choices, "usage": _usage(len(prompt_ids), sum(len(o.output_ids) for o in outs))}
+            "choices": choices, "usage": _usage(len(prompt_ids), sum(len(o.output_ids) for o in outs)),
+            "prompt_logprobs": prompt_logprobs_json(state, outs[0]) if prep.prompt_logprobs is not None else None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return body
@@ -328,10 +370,15 @@ def completion_response(state, req: CompletionRequest, prep: Prepared, results: 
         for out in outs:
             state.count_finished(out)
             completion_tokens += len(out.output_ids)
-            choice = {"index": k * prep.n + out.sample_index, "text": _text(out, req),
-                      "logprobs": None if prep.logprobs is None else _completion_logprobs(
-                          state, prep, out.output_ids, out.output_logprobs, out.top_logprobs),
-                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "prompt_logprobs": None}
+            text, lp_in = _text(state, out, req), (out.output_ids, out.output_logprobs, out.top_logprobs)
+            if prep.echo_texts is not None:
+                text = prep.echo_texts[k] + text
+                lp_in = echo_logprobs(out)
+            choice = {"index": k * prep.n + out.sample_index, "text": text,
+                      "logprobs": None if prep.logprobs is None else _completion_logprobs(state, prep, *lp_in),
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                      "prompt_logprobs": prompt_logprobs_json(state, out) if prep.prompt_logprobs is not None
+                      else None}
             if req.return_token_ids:
                 choice["prompt_token_ids"] = out.prompt_ids
                 choice["token_ids"] = out.output_ids
@@ -345,7 +392,7 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
     model = req.model or state.model_name
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
+    continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
     n = prep.n
     # The engine's deltas already hold back text a stop string may still cut; the guard holds tool calls.
     guards = [StreamGuard(state.tool_parser if prep.parse_tools else None) for _ in range(n)]
@@ -380,9 +427,9 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
                 prompt_len = len(out.prompt_ids)
                 parsed = _parse(state, prep, out.text) if prep.parse_tools else None
                 if prep.prefix:
-                    delta["content"] = (parsed.content or "") if parsed.calls else _text(out, req)
+                    delta["content"] = (parsed.content or "") if parsed.calls else _text(state, out, req)
                 else:
-                    delta["content"] = guards[i].finish(parsed, _text(out, req))
+                    delta["content"] = guards[i].finish(parsed, _text(state, out, req))
                 if parsed is not None and parsed.calls:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(parsed.openai_tool_calls())]
                     finish = "tool_calls" if finish == "stop" else finish
@@ -410,7 +457,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
     model = req.model or state.model_name
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
+    continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
     n = prep.n
     total = len(prep.requests) * n
     sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
@@ -427,7 +474,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
             ntoks[idx] += len(d.token_ids)
             texts[idx] += d.text
             text = guards[idx].feed(texts[idx]) if d.finish_reason is None else \
-                guards[idx].finish(None, _text(d.output, req))
+                guards[idx].finish(None, _text(state, d.output, req))
             choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
                       "stop_reason": d.stop_reason}
             if prep.logprobs is not None:

@@ -2,7 +2,8 @@
 
 ``data:`` URLs are always accepted. Local files (``file://`` URLs or absolute paths) only under
 ``allowed_local_media_path``; remote ``http(s)`` URLs only when ``allow_remote_images`` is on. Every
-refusal is a 400 naming the part (``messages[0].content[1].image_url``).
+refusal is a 400 naming the part (``messages[0].content[1].image_url``). A part with a ``uuid`` (vLLM's
+multimodal uuid) caches its image under it: a later part with that uuid and no url reuses the image.
 
 Example::
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import copy
 import os
 import urllib.parse
@@ -24,6 +26,7 @@ from ..engine.inputs import decode_image
 from .protocol import APIError
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+UUID_CACHE_SIZE = 64  # images kept by their request-given uuid
 
 
 
@@ -37,6 +40,7 @@ class MediaPolicy:
     fetch_timeout_s: float = 10.0
 
     def __post_init__(self):
+        self._by_uuid: collections.OrderedDict = collections.OrderedDict()  # uuid -> image, most recent last
         if self.allowed_local_media_path is not None:
             self.allowed_local_media_path = os.path.realpath(self.allowed_local_media_path)
 
@@ -60,13 +64,34 @@ class MediaPolicy:
                     if not accept_images:
                         raise APIError(f"{where}: this model takes no images", param=where)
                     src = part.get(kind) if kind != "input_image" else part.get("image_url")
+                    if kind == "image_url" and src is not None and not isinstance(src, dict):
+                        # OpenAI's and vLLM's schema: image_url is an object {"url": ...}, never a bare string.
+                        raise APIError(f"{where}: must be an object {{\"url\": ...}}, got {type(src).__name__}",
+                                       param=where)
                     url = src.get("url") if isinstance(src, dict) else src
-                    if not isinstance(url, str) or not url:
-                        raise APIError(f"{where}: expected an image URL string or {{\"url\": ...}}", param=where)
+                    uid = part.get("uuid")
+                    if uid is not None and not isinstance(uid, str):
+                        raise APIError(f"messages[{i}].content[{j}].uuid must be a string", param=where)
                     if len(images) >= self.max_images:
                         raise APIError(f"At most {self.max_images} image(s) may be given in one request.",
                                        param="messages")
-                    images.append(await self.load(url, where))
+                    if (url is None or url == "") and uid is not None:
+                        img = self._by_uuid.get(uid)
+                        if img is None:
+                            raise APIError(f"{where}: no image is cached under uuid {uid!r}; send it with its url "
+                                           "once first", param=where)
+                        self._by_uuid.move_to_end(uid)
+                        images.append(img)
+                        parts.append({"type": "image"})
+                        continue
+                    if not isinstance(url, str) or not url:
+                        raise APIError(f"{where}: expected an image URL string or {{\"url\": ...}}", param=where)
+                    img = await self.load(url, where)
+                    if uid is not None:  # vLLM's multimodal uuid: later requests may name the image alone
+                        self._by_uuid[uid] = img
+                        while len(self._by_uuid) > UUID_CACHE_SIZE:
+                            self._by_uuid.popitem(last=False)
+                    images.append(img)
                     parts.append({"type": "image"})
                 else:
                     parts.append(part)

@@ -93,13 +93,15 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     use_beam_search: bool | None = False
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
     response_format: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
     user: str | None = None
     echo: bool | None = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -137,7 +139,7 @@ class CompletionRequest(_Sampling):
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo or prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from .media import MediaPolicy
+from .metrics import ServerMetrics
 from .protocol import APIError
 from .tools import pick_parser
 
@@ -30,6 +31,12 @@ class ServerOptions:
     tool_call_parser: str = "auto"
     default_sampling: dict = field(default_factory=dict)
     owns_engine: bool = False  # shut the engine down with the app
+    # "raw_logprobs" (the trainer's log_softmax(logits / T)) or "processed_logprobs" (vLLM's --logprobs-mode).
+    logprobs_mode: str = "raw_logprobs"
+    # What /server_info reports as lora_config (TRL sizes its adapter sync by them); loads past them are refused.
+    max_logprobs: int = 20  # largest prompt_logprobs (vLLM's --max-logprobs)
+    max_lora_rank: int = 256
+    max_loras: int = 8
 
 
 class ClientDisconnected(Exception):
@@ -44,6 +51,8 @@ class ServerState:
         self.media = options.media
         self.tool_parser = pick_parser(self.tokenizer, options.tool_call_parser)
         self.counters: collections.Counter = collections.Counter()
+        self.metrics = ServerMetrics()
+        engine.core.step_observers.append(self.metrics.observe_step)
         self.start_time = int(time.time())
         self.sleeping = False
         self._token_strs: dict[int, str] = {}
@@ -86,6 +95,7 @@ class ServerState:
     def count_finished(self, out) -> None:
         self.counters["generation_tokens"] += len(out.output_ids)
         self.counters[("finished", out.finish_reason or "unknown")] += 1
+        self.metrics.observe_finished(out)
 
 
 async def _wait_disconnect(raw_request) -> None:
