@@ -51,7 +51,8 @@ def _schema(tool: dict) -> dict:
     if not isinstance(params, dict):
         raise InvalidRequestError("tools", f"tools: function {tool['function']['name']!r} has parameters that are "
                                            "not a JSON schema")
-    return {**params, "x-guidance": {**JSON_STYLE, **params.get("x-guidance", {})}}
+    own = params.get("x-guidance")
+    return {**params, "x-guidance": {**JSON_STYLE, **(own if isinstance(own, dict) else {})}}
 
 
 def tool_call_outputs(fmt: str, tools: list[dict], choice, parallel: bool, tokenizer) -> StructuredOutputs:
