@@ -17,8 +17,8 @@ import torch
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams  # noqa: E402
-from unsloth_rollout import load_model  # noqa: E402
+from unsloth_rollout import (EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine,  # noqa: E402
+                             SamplingParams, load_model)
 from unsloth_rollout.engine.constraints import JSON_STYLE, StructuredOutputs  # noqa: E402
 from unsloth_rollout.testing.oracles import teacher_forced  # noqa: E402
 

@@ -53,7 +53,7 @@ def qwen_chat_policy(qwen2_dir):
 def test_grpo_tool_loop_every_turn_from_the_engine(qwen_chat_policy, tmp_path, monkeypatch, importance_sampling):
     from trl import GRPOTrainer
 
-    from unsloth_rollout.trl.rollout import EngineGeneration
+    from unsloth_rollout.trl import EngineGeneration
 
     policy = qwen_chat_policy
     # Each post-tool turn, right after it is generated (same weights), against a teacher-forced forward.

@@ -117,10 +117,6 @@ class ToolCallStream:
         self.calls: list[_Call] = []
         self.mode: str | None = None  # llama3_json: "calls" or "content", once the first character says
 
-    @property
-    def called(self) -> bool:
-        return any(c.name is not None for c in self.calls)
-
     # ------------------------------------------------------------------ while generating
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.parser == "hermes":
