@@ -123,8 +123,9 @@ class ToolCallStream:
             content_end, bodies = self._hermes(text)
         elif self.parser == "llama3_json":
             content_end, bodies = self._llama(text)
-        else:
-            content_end, bodies = 0, []
+        else:  # the tokenizer's own response template, read whole at the end: hold what may open a call
+            stripped = text.lstrip()
+            content_end, bodies = (0 if not stripped or stripped[0] in "{<" else len(text)), []
         content = text[self.content_sent:content_end] if content_end > self.content_sent else ""
         self.content_sent = max(self.content_sent, content_end)
         deltas = []
