@@ -199,3 +199,30 @@ def test_the_test_tokenizers_compile(policy, qwen2_5_vl_dir):
         bitmask = torch.zeros(1, g.words, dtype=torch.int32)
         g.fill(bitmask, 0)
         assert int(bitmask.ne(0).sum()) >= 1
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_forced_tool_calls_parse_with_schema_valid_arguments_in_both_formats(engine, policy, fmt):
+    from unsloth_rollout.engine.tool_grammar import tool_call_outputs
+    from unsloth_rollout.serve.tools import parse_tool_calls
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS[0]}},
+             {"type": "function", "function": {"name": "tag", "parameters": SCHEMAS[1]}}]
+    schema_of = {"get_weather": SCHEMAS[0], "tag": SCHEMAS[1]}
+    tok = policy.tokenizer
+    for parallel in (True, False):
+        outs = _gen(engine, tool_call_outputs(fmt, tools, "required", parallel, tok), n=16, seed=4,
+                    max_new_tokens=96)
+        done = [o for o in outs if o.finish_reason == "stop"]
+        assert len(done) >= 12
+        for o in done:
+            parsed = parse_tool_calls(o.text, fmt)
+            assert parsed.calls and (parallel or len(parsed.calls) == 1)
+            for name, args in parsed.calls:
+                jsonschema.validate(json.loads(args), schema_of[name])
+            if fmt == "hermes":  # the tag is the tokenizer's own added token, as the chat template renders it
+                assert o.output_ids[0] == tok.convert_tokens_to_ids("<tool_call>") and parsed.content is None
+    named = tool_call_outputs(fmt, tools, {"type": "function", "function": {"name": "tag"}}, True, tok)
+    for o in _gen(engine, named, n=8, seed=5, max_new_tokens=96):
+        if o.finish_reason == "stop":
+            assert [n for n, _ in parse_tool_calls(o.text, fmt).calls] == ["tag"]
