@@ -531,7 +531,8 @@ def _engine_error(e: InvalidRequestError, prep: Prepared) -> APIError:
     """The engine refused a request at submission: a 400 naming the request's field."""
     param = prep.prompt_param if e.field in ("input_ids", "images", "messages") else _PARAM.get(e.field, e.field)
     message = str(e)
-    if param.startswith("structured_outputs"):  # the grammar came from response_format or the tools
+    if param.startswith("structured_outputs") and prep.structured_param != "structured_outputs":
+        # the grammar came from response_format or the tools: name that field
         param, message = prep.structured_param, message.replace("structured_outputs", prep.structured_param, 1)
     return APIError(message, param=param)
 

@@ -37,7 +37,7 @@ def from_response_format(response_format: dict | None, structured_outputs: dict 
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
-        if not isinstance(schema, (dict, bool)):
+        if not isinstance(schema, dict):
             raise APIError("response_format.json_schema.schema must be a JSON schema object",
                            param="response_format.json_schema")
         return StructuredOutputs(json=schema)
