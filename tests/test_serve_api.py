@@ -295,7 +295,7 @@ def test_named_tool_choice_yields_the_call(client, policy):
     kw = dict(model=NAME, messages=messages, tools=tools, tool_choice=choice, max_tokens=48, temperature=0)
     resp = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
     calls = resp.choices[0].message.tool_calls
-    assert resp.choices[0].finish_reason == "tool_calls"
+    assert resp.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's for a named function
     assert calls and calls[0].function.name == "get_weather" and calls[0].type == "function"
     assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
     assert policy.tokenizer.decode(resp.prompt_token_ids).endswith("<|im_start|>assistant\n")

@@ -340,6 +340,11 @@ def _parse(state, prep: Prepared, out) -> ToolParse:
     return parse_tool_calls(out.text, state.tool_parser, state.tokenizer, prep.prompt_text, prep.tools)
 
 
+def _tool_finish(prep: Prepared, finish: str) -> str:
+    """OpenAI's (and vLLM's) finish_reason of a completed call: "tool_calls", but "stop" for a named function."""
+    return "tool_calls" if finish == "stop" and not isinstance(prep.tool_choice, dict) else finish
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
@@ -360,7 +365,7 @@ def chat_response(state, req: ChatCompletionRequest, prep: Prepared, outs: list,
             if parsed.calls:
                 message["content"] = parsed.content
                 message["tool_calls"] = parsed.openai_tool_calls()
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = _tool_finish(prep, finish)
         choice = {"index": out.sample_index, "message": message,
                   "logprobs": None if prep.logprobs is None else _chat_logprobs(
                       state, prep, out.output_ids, out.output_logprobs, out.top_logprobs),
@@ -453,7 +458,7 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
                     if tool_deltas:
                         delta["tool_calls"] = tool_deltas
                     if parsed.calls:
-                        finish = "tool_calls" if finish == "stop" else finish
+                        finish = _tool_finish(prep, finish)
                 if out.error:
                     yield _sse(error_body(f"generation failed: {out.error}", 500))
             if not delta["content"] and len(delta) == 1 and finish is None and not d.token_ids:
