@@ -226,3 +226,15 @@ def test_forced_tool_calls_parse_with_schema_valid_arguments_in_both_formats(eng
     for o in _gen(engine, named, n=8, seed=5, max_new_tokens=96):
         if o.finish_reason == "stop":
             assert [n for n, _ in parse_tool_calls(o.text, fmt).calls] == ["tag"]
+
+
+def test_without_llguidance_a_constrained_request_is_refused_by_name(policy, monkeypatch):
+    import sys
+
+    from unsloth_rollout.engine.constraints import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    monkeypatch.setitem(sys.modules, "llguidance.hf", None)
+    with pytest.raises(InvalidRequestError) as e:
+        GrammarCompiler(policy.tokenizer).compile(StructuredOutputs(json_object=True))
+    assert e.value.field == "structured_outputs" and "llguidance" in str(e.value)

@@ -165,9 +165,9 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs, field: str = "structured_outputs") -> CompiledGrammar:
         """Check ``spec`` against the tokenizer; an InvalidRequestError naming ``field`` when it does not compile."""
+        tok = self.ll_tokenizer()  # first: without llguidance, the refusal says what to install
         import llguidance
 
-        tok = self.ll_tokenizer()
         try:
             grammar = spec.grammar_text()
         except (ValueError, TypeError) as e:
