@@ -238,3 +238,14 @@ def test_without_llguidance_a_constrained_request_is_refused_by_name(policy, mon
     with pytest.raises(InvalidRequestError) as e:
         GrammarCompiler(policy.tokenizer).compile(StructuredOutputs(json_object=True))
     assert e.value.field == "structured_outputs" and "llguidance" in str(e.value)
+
+
+def test_processed_logprobs_include_the_grammar_mask(engine):
+    """vLLM's processed logprobs are taken after its grammar bitmask: with no other processing they are exactly
+    the grammar-renormalised logprobs."""
+    raw = _gen(engine, {"json": SCHEMAS[0]}, n=4, seed=8)
+    proc = _gen(engine, {"json": SCHEMAS[0]}, n=4, seed=8, logprobs_mode="processed_logprobs")
+    for r, p in zip(raw, proc):
+        assert p.output_ids == r.output_ids
+        assert p.output_logprobs == pytest.approx(r.output_constrained_logprobs, abs=1e-5)
+        assert p.output_constrained_logprobs == pytest.approx(r.output_constrained_logprobs, abs=1e-6)
