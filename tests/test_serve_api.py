@@ -286,22 +286,25 @@ def test_tool_call_round_trip(client, engine, policy):
 
 
 def test_named_tool_choice_yields_the_call(client, policy):
+    """The model writes the whole call under a grammar (the prompt ends at the generation prompt); its arguments
+    are JSON for the function's schema, streamed as vLLM streams them."""
     messages = [{"role": "user", "content": "Weather in Rome?"}]
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    resp = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, tool_choice=choice,
-                                          max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+    tools = json.loads(json.dumps(TOOLS))
+    tools[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 8  # a greedy random model never stops
+    kw = dict(model=NAME, messages=messages, tools=tools, tool_choice=choice, max_tokens=48, temperature=0)
+    resp = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
     calls = resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's for a named function
     assert calls and calls[0].function.name == "get_weather" and calls[0].type == "function"
-    assert isinstance(calls[0].function.arguments, str)
-    assert policy.tokenizer.decode(resp.prompt_token_ids).endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
-    # Streaming delivers the same call in a tool_calls delta, never as content.
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, tool_choice=choice,
-                                                 max_tokens=10, temperature=0, stream=True))
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+    assert policy.tokenizer.decode(resp.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    # Streaming delivers the same call in tool_calls deltas (name first, then argument pieces), never as content.
+    chunks = list(client.chat.completions.create(stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert [tc.function.name for tc in streamed] == ["get_weather"]
-    assert streamed[0].function.arguments == calls[0].function.arguments
+    assert [tc.function.name for tc in streamed if tc.function.name] == ["get_weather"]
+    assert "".join(tc.function.arguments or "" for tc in streamed) == calls[0].function.arguments
     assert "".join(d.content or "" for d in deltas) == ""
 
 

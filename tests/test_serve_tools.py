@@ -1,4 +1,6 @@
-"""Tool-call parsers and the streaming hold-back, on hand-written model text (no model, no server)."""
+"""Tool-call parsers, streamed tool-call deltas and the streaming hold-back, on hand-written model text (no model,
+no server). Tests named ``test_vllm_*`` restate, in our words, the assertions of the vLLM test they name
+(vllm-project/vllm tests/tool_parsers/test_hermes_tool_parser.py and test_llama3_json_tool_parser.py)."""
 
 import json
 
@@ -6,8 +8,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from unsloth_rollout.serve.tools import (StreamGuard, forced_prefix, parse_forced, parse_hermes,  # noqa: E402
-                                         parse_llama3_json, parse_tool_calls, pick_parser)
+from unsloth_rollout.serve.tool_stream import ToolCallStream, normalized_prefix  # noqa: E402
+from unsloth_rollout.serve.tools import (StreamGuard, parse_hermes, parse_llama3_json, parse_tool_calls,  # noqa: E402
+                                         pick_parser)
 
 
 def _calls(parse):
@@ -48,7 +51,7 @@ def test_llama3_json_parameters_and_several_calls():
 
 
 def test_llama3_json_rejects_non_calls():
-    for text in ("hello", '{"not_a_call": 1}', '{"name": "f", "parameters": '):
+    for text in ("hello", '{"not_a_call": 1}', '{"name": "f", "parameters": ', '{"name": "f"}'):
         p = parse_llama3_json(text)
         assert p.calls == [] and p.content == text
 
@@ -93,19 +96,6 @@ def test_pick_parser_by_chat_template():
         pick_parser(t, "nope")
 
 
-def test_forced_prefix_named_function_round_trip():
-    tools = [{"type": "function", "function": {"name": "get_weather"}}]
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    prefix = forced_prefix("hermes", choice, tools)
-    assert prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
-    p = parse_forced(prefix, '{"city": "Rome"}}\n</tool_call>', "hermes", choice)
-    assert _calls(p) == [("get_weather", {"city": "Rome"})]
-    # A model that writes no valid JSON still yields the named call; its arguments are the raw text.
-    p = parse_forced(prefix, "garbage}", "hermes", choice)
-    assert p.calls == [("get_weather", "garbage")]
-    assert forced_prefix("llama3_json", choice, tools) == '{"name": "get_weather", "parameters": '
-
-
 def test_stream_guard_never_leaks_a_call():
     text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     g = StreamGuard("hermes")
@@ -120,3 +110,207 @@ def test_stream_guard_never_leaks_a_call():
     sent = g.feed("a <tool")
     assert sent == "a "
     assert sent + g.finish(parse_hermes("a <tool"), "a <tool") == "a <tool"
+
+
+# ====================================================================== vLLM's Hermes parser tests
+def test_vllm_hermes_parser_non_streaming_tool_call_between_tags():
+    p = parse_hermes('<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}\n</tool_call>')
+    assert p.calls == [("final_answer", '{"trigger": true}')]
+
+
+def test_vllm_hermes_parser_non_streaming_tool_call_until_eos():
+    p = parse_hermes('<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}')
+    assert p.calls == [("final_answer", '{"trigger": true}')]
+
+
+def test_vllm_hermes_parser_non_streaming_tool_call_invalid_json():
+    p = parse_hermes('<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}')
+    assert p.calls == []
+
+
+def test_vllm_hermes_parser_non_streaming_no_tool_call():
+    assert parse_hermes("This is not a tool call.").calls == []
+
+
+def test_vllm_hermes_parser_non_streaming_serialized_arguments():
+    p = parse_hermes('<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n'
+                     '</tool_call>')
+    assert p.calls[0][0] == "get_db_config" and json.loads(p.calls[0][1]) == {"param": "max_connections"}
+
+
+def test_vllm_hermes_parser_non_streaming_bare_string_arguments():
+    p = parse_hermes('<tool_call>\n{"name": "do_thing", "arguments": "hello"}\n</tool_call>')
+    assert json.loads(p.calls[0][1]) == "hello"
+
+
+def test_hermes_call_without_arguments_is_content():
+    """vLLM's Hermes parser reads ``call["arguments"]``: a call without it makes the output plain content."""
+    text = 'Hi <tool_call>{"name": "f"}</tool_call>'
+    assert parse_hermes(text).calls == [] and parse_hermes(text).content == text
+
+
+def _stream(text: str, parser: str, step: int, parse):
+    """Feed ``text`` ``step`` characters at a time; returns (content, [(name, arguments)], the deltas)."""
+    s, content, deltas = ToolCallStream(parser), "", []
+    for k in range(step, len(text) + step, step):
+        c, d = s.feed(text[:k])
+        content += c
+        deltas += d
+    c, d = s.finish(parse(text), text)
+    content += c
+    deltas += d
+    calls = {}
+    for d in deltas:
+        calls.setdefault(d["index"], []).append(d)
+    return content, [(v[0]["function"]["name"], "".join(x["function"].get("arguments", "") for x in v))
+                     for _, v in sorted(calls.items())], deltas
+
+
+def _assert_vllm_delta_shape(deltas):
+    """vLLM's streamed tool calls: per call, the first delta has index, id, type and the name (no arguments),
+    then deltas with only the index and an arguments fragment."""
+    seen = set()
+    for d in deltas:
+        if d["index"] not in seen:
+            seen.add(d["index"])
+            assert set(d) == {"index", "id", "type", "function"} and d["type"] == "function"
+            assert set(d["function"]) == {"name"} and d["id"].startswith("chatcmpl-tool-")
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 8])
+def test_vllm_hermes_streaming_tool_call_with_stream_interval(step):
+    text = ('<tool_call>{"name": "get_current_temperature", "arguments": {"location": "San Francisco", '
+            '"unit": "celsius"}}</tool_call>')
+    content, calls, deltas = _stream(text, "hermes", step, parse_hermes)
+    _assert_vllm_delta_shape(deltas)
+    assert content == "" and [c[0] for c in calls] == ["get_current_temperature"]
+    assert json.loads(calls[0][1]) == {"location": "San Francisco", "unit": "celsius"}
+    assert calls == parse_hermes(text).calls  # the fragments join to exactly the non-streaming arguments
+    assert sum(1 for d in deltas if "arguments" in d["function"]) > 1 or step > 8  # streamed in pieces
+
+
+@pytest.mark.parametrize("step", [2, 3, 5, 8])
+def test_vllm_hermes_streaming_content_then_tool_call_with_stream_interval(step):
+    text = 'Sure, let me check the weather.<tool_call>{"name": "get_weather", "arguments": {"city": "NYC"}}</tool_call>'
+    content, calls, deltas = _stream(text, "hermes", step, parse_hermes)
+    assert content == "Sure, let me check the weather."
+    assert calls == [("get_weather", '{"city": "NYC"}')]
+
+
+@pytest.mark.parametrize("step", [1, 2, 4])
+def test_vllm_hermes_streaming_multiple_tool_calls_with_stream_interval(step):
+    text = ('<tool_call>{"name": "search", "arguments": {"q": "cats"}}</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {"q": "dogs"}}</tool_call>')
+    _, calls, deltas = _stream(text, "hermes", step, parse_hermes)
+    _assert_vllm_delta_shape(deltas)
+    assert [(n, json.loads(a)) for n, a in calls] == [("search", {"q": "cats"}), ("search", {"q": "dogs"})]
+
+
+@pytest.mark.parametrize("step", [2, 5])
+def test_vllm_hermes_streaming_boolean_args_with_stream_interval(step):
+    text = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}\n</tool_call>'
+    _, calls, _ = _stream(text, "hermes", step, parse_hermes)
+    assert calls == [("final_answer", '{"trigger": true}')]
+
+
+@pytest.mark.parametrize("step", [2, 3, 5])
+def test_vllm_hermes_streaming_just_forward_text_with_stream_interval(step):
+    text = "This is plain text with no tool calling involved."
+    content, calls, deltas = _stream(text, "hermes", step, parse_hermes)
+    assert content == text and calls == [] and deltas == []
+
+
+@pytest.mark.parametrize("args_value", ['{"param": "max_connections"}', "hello", "{hello world}", "[oops",
+                                        '{"a": 1} tail text'])
+@pytest.mark.parametrize("step", [1, 3])
+def test_vllm_hermes_streaming_string_arguments_match_non_streaming(args_value, step):
+    text = "<tool_call>" + json.dumps({"name": "f", "arguments": args_value}) + "</tool_call>"
+    _, calls, _ = _stream(text, "hermes", step, parse_hermes)
+    assert calls == parse_hermes(text).calls
+    json.loads(calls[0][1])  # valid JSON whatever the model wrote
+
+
+def test_vllm_hermes_streaming_content_and_tool_call_in_single_chunk():
+    text = 'Hi!<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    content, calls, _ = _stream(text, "hermes", 9999, parse_hermes)
+    assert content == "Hi!" and calls == [("f", '{"x": 1}')]
+
+
+# ====================================================================== vLLM's Llama-3 JSON parser tests
+def test_vllm_llama3_extract_tool_calls_simple():
+    p = parse_llama3_json('Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} '
+                          'Would you like to know more?')
+    assert p.calls == [("getOpenIncidentsTool", "{}")] and p.content is None
+
+
+def test_vllm_llama3_extract_tool_calls_with_arguments_and_arguments_key():
+    p = parse_llama3_json('{"name": "searchTool", "parameters": {"query": "test query", "limit": 10}}')
+    assert p.calls == [("searchTool", '{"query": "test query", "limit": 10}')]
+    p = parse_llama3_json('{"name": "searchTool", "arguments": {"query": "test"}}')
+    assert p.calls == [("searchTool", '{"query": "test"}')]
+
+
+def test_vllm_llama3_extract_tool_calls_no_json_and_invalid_json():
+    for text in ("This is just some text without any tool calls",
+                 '{"name": "invalidTool", "parameters": {invalid json}'):
+        p = parse_llama3_json(text)
+        assert p.calls == [] and p.content == text
+
+
+@pytest.mark.parametrize("sep", ["; ", " ; "])
+def test_vllm_llama3_extract_tool_calls_multiple_json(sep):
+    text = sep.join(['{"name": "searchTool", "parameters": {"query": "test1"}}',
+                     '{"name": "getOpenIncidentsTool", "parameters": {}}',
+                     '{"name": "searchTool", "parameters": {"query": "test2"}}'])
+    for t in (text, "Here are the results: " + text + " Would you like to know more?"):
+        p = parse_llama3_json(t)
+        assert [n for n, _ in p.calls] == ["searchTool", "getOpenIncidentsTool", "searchTool"]
+        assert json.loads(p.calls[2][1]) == {"query": "test2"} and p.calls[1][1] == "{}"
+
+
+def test_vllm_llama3_extract_tool_calls_deeply_nested_and_quoted():
+    p = parse_llama3_json('{"name": "complexTool", "parameters": {"level1": {"level2": {"level3": {"level4": '
+                          '{"value": "deep"}}}}}}')
+    assert json.loads(p.calls[0][1])["level1"]["level2"]["level3"]["level4"]["value"] == "deep"
+    p = parse_llama3_json('{"name": "simpleTool", "parameters": {"value": "test"}}; {"name": "complexTool", '
+                          '"parameters": {"config": {"database": {"connection": {"pool": {"size": 10}}}}}}')
+    assert json.loads(p.calls[1][1])["config"]["database"]["connection"]["pool"]["size"] == 10
+    p = parse_llama3_json('{"name": "searchTool", "parameters": {"query": "test {value} [complex]",'
+                          '"nested": {"inner": "more {brackets}"}}}')
+    assert json.loads(p.calls[0][1]) == {"query": "test {value} [complex]", "nested": {"inner": "more {brackets}"}}
+    p = parse_llama3_json('{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}')
+    assert json.loads(p.calls[0][1]) == {"text": 'He said "Hello {world}"'}
+
+
+def test_vllm_llama3_extract_tool_calls_missing_keys():
+    for text in ('{"parameters": {}}', '{"name": "toolWithoutParams"}'):
+        p = parse_llama3_json(text)
+        assert p.calls == [] and p.content == text
+
+
+def test_vllm_llama3_extract_tool_calls_brace_or_json_in_trailing_text():
+    for tail in (" I used {searchTool} for this.", ' The arguments I passed were {"query": "test"}'):
+        p = parse_llama3_json('{"name": "searchTool", "parameters": {"query": "test"}}' + tail)
+        assert [n for n, _ in p.calls] == ["searchTool"]
+
+
+@pytest.mark.parametrize("sep", ["; ", ";", ";\n", "\n"])
+def test_vllm_llama3_streaming_parallel_separators(sep):
+    text = '{"name": "searchTool", "parameters": {"query": "test1"}}' + sep + \
+        '{"name": "getOpenIncidentsTool", "parameters": {}}'
+    _, calls, deltas = _stream(text, "llama3_json", 7, parse_llama3_json)
+    _assert_vllm_delta_shape(deltas)
+    assert [n for n, _ in calls] == ["searchTool", "getOpenIncidentsTool"]
+    assert json.loads(calls[0][1]) == {"query": "test1"} and calls == parse_llama3_json(text).calls
+
+
+def test_normalized_prefix_is_a_prefix_of_json_dumps():
+    raw = '{"a" : 1.50 , "b":[true,null, "x\\u00e9"], "c": {}, "d": -2e1}  tail'
+    full = json.dumps(json.loads(raw[:raw.rindex("}") + 1]), ensure_ascii=False)
+    assert normalized_prefix(raw) == (full, raw.rindex("}") + 1)
+    for k in range(len(raw)):
+        assert full.startswith(normalized_prefix(raw[:k])[0])
+    with pytest.raises(ValueError):
+        normalized_prefix('{"a": nope}')

@@ -11,7 +11,7 @@ Importing this package imports neither areal, fastapi nor unsloth.
 import logging as _logging
 
 from .engine import (CacheBypassError, EngineConfig, ModelNotServableError, GenerationOutput, GenerationRequest, InvalidRequestError, RequestRejected,
-                     RolloutEngine, SamplingParams, StreamDelta)
+                     RolloutEngine, SamplingParams, StreamDelta, StructuredOutputs)
 from .models import PolicyModel, UnsupportedModelError, load_model, supported_families
 
 __version__ = "0.1.0"
@@ -20,5 +20,6 @@ _logging.getLogger("unsloth_rollout").addHandler(_logging.NullHandler())
 
 __all__ = [
     "CacheBypassError", "ModelNotServableError", "UnsupportedModelError", "supported_families", "EngineConfig", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "PolicyModel",
-    "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "load_model", "__version__",
+    "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "StructuredOutputs", "load_model",
+    "__version__",
 ]

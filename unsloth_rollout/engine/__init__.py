@@ -2,10 +2,11 @@
 
 from .attention import CacheBypassError, ModelNotServableError, UnsupportedAttentionError
 from .config import EngineConfig, InvalidRequestError, SamplingParams
+from .constraints import StructuredOutputs
 from .engine import EngineStopped, RequestRejected, RolloutEngine
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 
 __all__ = [
     "CacheBypassError", "ModelNotServableError", "UnsupportedAttentionError", "EngineConfig", "EngineStopped", "GenerationOutput", "GenerationRequest", "InvalidRequestError",
-    "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta",
+    "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "StructuredOutputs",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 # "raw_logprobs": log_softmax(raw_logits / T), what a trainer recomputes; "processed_logprobs": the log of the
 # distribution the token was drawn from (penalties, bans, top-k / top-p / min-p applied, renormalised), as vLLM's.
@@ -73,6 +74,8 @@ class SamplingParams:
     top-k / min-p / top-p, renormalised; a greedy row's: penalised logits at T = 1). ``prompt_logprobs=k``
     scores the prompt: each prompt token's ``log_softmax(raw_logits)`` given the tokens before it, plus the top k
     (vLLM's shape); with it ``max_new_tokens`` may be 0 (score only, no token sampled).
+    ``structured_outputs`` (a ``StructuredOutputs`` or its dict; engine/constraints.py) constrains every sample's
+    output to a JSON schema, a regex, a choice of strings or a grammar.
     """
 
     max_new_tokens: int = 256
@@ -93,6 +96,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs_mode: str = "raw_logprobs"
     prompt_logprobs: int | None = None
+    structured_outputs: Any = None
 
     def __post_init__(self):
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
@@ -132,6 +136,12 @@ class SamplingParams:
         _check(_is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
                f"must be an integer in [0, 20], got {self.logprobs!r}")
         _check(_is_int(self.n) and 1 <= self.n <= 256, "n", f"must be an integer in [1, 256], got {self.n!r}")
+        if self.structured_outputs is not None:
+            from .constraints import StructuredOutputs
+
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
+            # A complete grammar allows only EOS: ignoring it would leave a sample nothing to sample.
+            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

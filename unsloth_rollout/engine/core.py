@@ -19,6 +19,7 @@ import torch
 
 from .attention import ModelNotServableError
 from .config import EngineConfig
+from .constraints import GrammarCompiler
 from .inputs import InputPreparer
 from .kv_cache import KVCache
 from .output import OutputProcessor
@@ -120,6 +121,7 @@ class EngineCore:
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
+        self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.weights = WeightsClock()
@@ -397,13 +399,20 @@ class EngineCore:
         res = self.sampler(logits, seqs)
         for i, s in enumerate(seqs):
             tok, lp = res.tokens[i], res.logprobs[i]
+            if i in res.errors:  # a structured output's grammar failed: never hand back an unconstrained token
+                self.finish(s, "abort", error=f"ConstraintError: structured_outputs: {res.errors[i]}")
+                continue
             if not math.isfinite(lp):  # never hand back NaN/inf as a logprob: fail this sample, by name
                 self.finish(s, "abort", error=f"NonFiniteLogprob: output_logprobs: the logprob of token {tok} "
                             f"at output position {len(s.output_ids)} is {lp} (non-finite model output); "
                             f"the sample is failed instead of returned")
                 continue
-            s.append(tok, lp, version, res.top[i], min(s.kv_version, version))
+            s.append(tok, lp, version, res.top[i], min(s.kv_version, version),
+                     res.constrained[i] if res.constrained is not None else None)
             reason, stop = self.output.check_stop(s, tok)
+            if reason is None and s.constraint is not None and (err := s.constraint.advance(tok)) is not None:
+                self.finish(s, "abort", error=f"ConstraintError: structured_outputs: {err}")
+                continue
             if reason is not None:
                 self.finish(s, reason, stop)
             elif s.on_event is not None:

@@ -326,7 +326,12 @@ class RolloutEngine:
             raise RequestRejected(
                 "max_new_tokens", f"prompt ({plen}) + max_new_tokens ({sp.max_new_tokens}) needs "
                 f"{longest} KV slots; the KV cache budget holds {self.kv.num_slots - self.kv.block_size}")
-        return [Sequence(req.request_id, i, prompt, sp, self._on_event, req.lora_name) for i in range(sp.n)]
+        seqs = [Sequence(req.request_id, i, prompt, sp, self._on_event, req.lora_name) for i in range(sp.n)]
+        if sp.structured_outputs is not None:  # compiled once per request; each sample gets its own matcher
+            grammar = self.core.grammars.compile(sp.structured_outputs)
+            for s in seqs:
+                s.constraint = grammar.matcher()
+        return seqs
 
     def submit(self, req: GenerationRequest, on_delta=None) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its list of n GenerationOutputs.

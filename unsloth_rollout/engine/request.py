@@ -59,7 +59,9 @@ class GenerationOutput:
     request was rejected or failed (then ``finish_reason`` is "abort"; a non-finite logprob fails the sample
     with an error starting "NonFiniteLogprob" rather than being returned). ``prompt_ids`` has every image
     placeholder expanded; ``pixel_values`` / ``image_grid_thw`` are what the model saw for its images (None
-    without).
+    without). With ``SamplingParams.structured_outputs``, ``output_logprobs`` stay the raw policy's (what a trainer
+    recomputes) and ``output_constrained_logprobs[i]`` is token i's logprob renormalised over the tokens the
+    grammar allowed at that step (the distribution it was drawn from, before top-k/p); None when unconstrained.
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class GenerationOutput:
     # ...} (the prompt's token first; log_softmax(raw_logits) at T = 1), and the prompt token's rank.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    output_constrained_logprobs: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,18 +1,18 @@
 """Sampler: logits -> token, logprob (+ top logprobs), per-row parameters, seeded.
 
 Logprobs are ``log_softmax(raw_logits / T)[token]`` (T = 1 when greedy), computed before
-penalties, masks and top-k/p/min-p: the value AReaL's trainer recomputes. Rows whose request asks for
-``logprobs_mode="processed_logprobs"`` get, from a separate step (``processed_logprobs``), the log of the
-distribution they were sampled from, as vLLM's mode of that name. Sampling uses one uniform number per row
-from that row's own RNG (inverse CDF over the vocabulary in its natural order, for every row: top-p sorts only
-its own rows to find the nucleus), so a seeded request draws the same tokens whatever else, with whatever
-parameters, is in the batch.
+penalties, masks (a structured output's grammar too) and top-k/p/min-p: the value AReaL's trainer
+recomputes. Rows whose request asks for ``logprobs_mode="processed_logprobs"`` get, from a separate step
+(``processed_logprobs``), the log of the distribution they were sampled from (a grammar's mask included), as
+vLLM's mode of that name. Sampling uses one uniform number per row from that row's own RNG (inverse CDF over
+the vocabulary in its natural order, for every row: top-p sorts only its own rows to find the nucleus), so a
+seeded request draws the same tokens whatever else, with whatever parameters, is in the batch.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,10 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[float]
     top: list[dict[int, float] | None]
+    # Rows with a grammar: the token's logprob renormalised over what the grammar allowed (None elsewhere).
+    constrained: list[float | None] | None = None
+    # Rows whose grammar failed this step: {row: message}; their token is not to be used.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 # Columns of a sequence's parameter row (built once per sequence, on its first sampled token).
@@ -66,7 +70,8 @@ class Sampler:
 
         pen = [i for i, r in enumerate(rows) if r[_REP] != 1.0 or r[_FREQ] or r[_PRES]]
         bans = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.sampling.min_new_tokens]
-        proc = logits.clone() if (pen or bans or self.suppress_ids) else logits
+        cons = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        proc = logits.clone() if (pen or bans or self.suppress_ids or cons) else logits
         if pen:
             self._apply_penalties(proc, [seqs[i] for i in pen], pen, par)
         if self.suppress_ids:
@@ -80,6 +85,7 @@ class Sampler:
                 ci += banned
             if ri:
                 proc[torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)] = float("-inf")
+        allowed, errors = self._constrain(proc, logits, seqs, cons) if cons else (None, {})
 
         n_greedy = sum(r[_GREEDY] > 0 for r in rows)
         if n_greedy == b:
@@ -103,6 +109,14 @@ class Sampler:
         chosen = lp_src.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tok_list = tokens.tolist()
         lp_list = chosen.tolist()
+        constrained = None
+        if cons:  # the token's logprob within the grammar's allowed set: raw minus the log of that set's mass
+            ci = torch.tensor(cons, device=dev)
+            raw = raw_lp[ci].gather(1, tokens[ci].unsqueeze(1)).squeeze(1)
+            mass = torch.logsumexp(raw_lp[ci].masked_fill(~allowed, float("-inf")), dim=-1)
+            constrained = [None] * b
+            for j, v in zip(cons, (raw - mass).tolist()):
+                constrained[j] = v
         top: list[dict[int, float] | None] = [None] * b
         want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
         if want:
@@ -113,7 +127,24 @@ class Sampler:
             for j, i in enumerate(want):
                 k = seqs[i].sampling.logprobs
                 top[i] = {int(t): float(v) for t, v in zip(idx[j][:k], vals[j][:k])}
-        return SampleResult(tok_list, lp_list, top)
+        return SampleResult(tok_list, lp_list, top, constrained, {cons[j]: e for j, e in errors.items()})
+
+    def _constrain(self, proc: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], cons: list[int]):
+        """The grammar step: every token the row's grammar rejects goes to -inf in ``proc`` (rows ``cons``).
+        Returns (allowed [len(cons), V] bool, {j: error}); a row left nothing to sample (min_new_tokens banning
+        EOS once the grammar is complete) is an error, sampled from a placeholder the core never uses."""
+        from .constraints import allowed_tokens
+
+        dev = proc.device
+        allowed, errors = allowed_tokens([seqs[i] for i in cons], proc.shape[1], self.eos_ids)
+        allowed = allowed.to(dev)
+        ci = torch.tensor(cons, device=dev)
+        sub = proc[ci].masked_fill(~allowed, float("-inf"))
+        for j in torch.nonzero(~torch.isfinite(sub).any(dim=-1)).flatten().tolist():
+            errors.setdefault(j, "no token is both allowed by the grammar and by min_tokens / the other bans")
+            sub[j] = logits[cons[j]]
+        proc[ci] = sub
+        return allowed, errors
 
     def _apply_penalties(self, proc: torch.Tensor, seqs: list[Sequence], rows: list[int], par: torch.Tensor) -> None:
         """Repetition (over prompt + output), then frequency and presence (over the output) penalties, for the

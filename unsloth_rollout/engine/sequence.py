@@ -49,6 +49,10 @@ class Sequence:
         self.output_kv_versions: list[int] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if sampling.logprobs else None
         self.prompt_scores = None  # PromptScores of the prompt (requests with prompt_logprobs), set at prefill
+        # Structured outputs: this sample's grammar state (engine/constraints.py), and per token the logprob
+        # renormalised over the tokens the grammar allowed (None for an unconstrained sample).
+        self.constraint = None
+        self.output_constrained_logprobs: list[float] | None = None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -95,7 +99,7 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def append(self, token: int, logprob: float, version: int, top: dict[int, float] | None,
-               kv_version: int | None = None) -> None:
+               kv_version: int | None = None, constrained_logprob: float | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
@@ -104,6 +108,10 @@ class Sequence:
         self.output_kv_versions.append(version if kv_version is None else kv_version)
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or {})
+        if constrained_logprob is not None:
+            if self.output_constrained_logprobs is None:
+                self.output_constrained_logprobs = []
+            self.output_constrained_logprobs.append(constrained_logprob)
 
     def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
         self.status = Status.FINISHED
@@ -133,4 +141,5 @@ class Sequence:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, text=self.text, metrics=metrics,
             error=self.error, sample_index=self.sample_index, pixel_values=self.prompt.pixel_values,
             image_grid_thw=self.prompt.image_grid_thw, prompt_logprobs=prompt_lps,
-            prompt_logprob_ranks=prompt_ranks)
+            prompt_logprob_ranks=prompt_ranks, output_constrained_logprobs=None
+            if self.output_constrained_logprobs is None else list(self.output_constrained_logprobs))

@@ -20,7 +20,9 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedT
 from ..engine.engine import RequestStream
 from .scoring import echo_logprobs, prompt_logprobs_json, truncate_prompt
 from .state import ClientDisconnected, ServerState, run_until_disconnect
-from .tools import StreamGuard, forced_prefix, parse_forced, parse_tool_calls
+from .structured import from_response_format, tool_choice_outputs
+from .tool_stream import ToolCallStream
+from .tools import StreamGuard, ToolParse, parse_tool_calls
 
 # Engine field -> request field, for the ``param`` of a 400.
 _PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "lora_name": "model"}
@@ -55,7 +57,8 @@ class Prepared:
     as_token_ids: bool
     prompt_param: str
     prompt_text: str = ""
-    prefix: str = ""  # forced assistant text (tool_choice required / named)
+    forced: str | None = None  # tool_choice required / named: the tool-call format the grammar writes calls in
+    structured_param: str = "structured_outputs"  # the request field an output constraint came from
     tools: list[dict] | None = None
     tool_choice: object = "none"
     created: int = field(default_factory=lambda: int(time.time()))
@@ -77,7 +80,7 @@ def _lp(v: float) -> float:
 
 # ====================================================================== request -> engine
 def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp_param: str,
-              prompt_logprobs: int | None = None) -> SamplingParams:
+              prompt_logprobs: int | None = None, structured=None) -> SamplingParams:
     for name, bad in (("use_beam_search", req.use_beam_search), ("logit_bias", req.logit_bias)):
         if bad:
             raise APIError(f"{name} is not supported by this server", param=name)
@@ -87,8 +90,11 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
     if req.stream and (prompt_logprobs is not None or req.echo):
         name = "echo" if req.echo else "prompt_logprobs"
         raise APIError(f"{name} is not available when stream is true on this server", param=name)
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError("response_format other than 'text' is not supported by this server", param="response_format")
+    requested = from_response_format(req.response_format, getattr(req, "structured_outputs", None))
+    if requested is not None and structured is not None:
+        raise APIError("response_format / structured_outputs cannot be combined with tool_choice 'required' or a "
+                       "named function", param="response_format")
+    structured = structured or requested
     n = req.n if req.n is not None else 1
     if n > state.options.max_n:
         raise APIError(f"n must be at most {state.options.max_n}, got {n}", param="n")
@@ -109,7 +115,7 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
             stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs or 0, n=n,
             skip_special_tokens=req.skip_special_tokens is not False, logprobs_mode=state.options.logprobs_mode,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     except InvalidRequestError as e:
         param = lp_param if e.field == "logprobs" else _PARAM.get(e.field, e.field)
         raise APIError(str(e).replace(e.field, param, 1), param=param) from None
@@ -204,12 +210,14 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
         text, _ = engine.inputs.render_chat(messages, tools, kwargs, add_generation_prompt=add_generation_prompt)
     except InvalidRequestError as e:
         raise APIError(str(e), param=e.field) from None
-    prefix = forced_prefix(state.tool_parser, choice, tools) if choice == "required" or isinstance(choice, dict) \
-        else ""
+    forced = grammar = None
+    if choice == "required" or isinstance(choice, dict):  # the model writes the call; a grammar holds it to it
+        forced, grammar = tool_choice_outputs(state.tool_parser, state.tokenizer, tools, choice,
+                                              req.parallel_tool_calls is not False)
     if prompt_ids is None:
-        ids = state.tokenizer.encode(text + prefix, add_special_tokens=bool(req.add_special_tokens))
+        ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:  # a recorded session continues its earlier turns' exact tokens (image runs expanded or not)
-        ids = list(prompt_ids(messages, tools, kwargs)) + state.tokenizer.encode(prefix, add_special_tokens=False)
+        ids = list(prompt_ids(messages, tools, kwargs))
     ids = truncate_prompt(state, ids, req, "messages", has_images=bool(images))
     greq = GenerationRequest(input_ids=ids, images=images or None, request_id=uuid.uuid4().hex, lora_name=lora)
     expanded = prepare_prompt(state, greq, "messages")
@@ -218,15 +226,19 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(state, len(expanded), max_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    greq.sampling = _sampling(state, req, max_tokens, top, "top_logprobs", req.prompt_logprobs)
+    greq.sampling = _sampling(state, req, max_tokens, top, "top_logprobs", req.prompt_logprobs, grammar)
     sp = greq.sampling
     echo = None
     last = messages[-1] if messages else {}
     if req.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
         echo = [last["content"]]  # vLLM's chat echo: the answer continues the final assistant message
     return Prepared([greq], [expanded], sp.n, top, bool(req.return_tokens_as_token_ids), "messages",
-                    prompt_text=text + prefix, prefix=prefix, tools=tools, tool_choice=choice,
-                    prompt_logprobs=req.prompt_logprobs, echo_texts=echo)
+                    prompt_text=text, forced=forced, structured_param="tools" if forced else _structured_param(req),
+                    tools=tools, tool_choice=choice, prompt_logprobs=req.prompt_logprobs, echo_texts=echo)
+
+
+def _structured_param(req) -> str:
+    return "structured_outputs" if getattr(req, "structured_outputs", None) is not None else "response_format"
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
@@ -266,7 +278,8 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
         sp = _sampling(state, req, max_tokens, req.logprobs, "logprobs", plp)
         requests.append(GenerationRequest(input_ids=ids, sampling=sp, request_id=uuid.uuid4().hex, lora_name=lora))
     return Prepared(requests, all_ids, requests[0].sampling.n, req.logprobs,
-                    bool(req.return_tokens_as_token_ids), "prompt", prompt_logprobs=plp, echo_texts=echo)
+                    bool(req.return_tokens_as_token_ids), "prompt", prompt_logprobs=plp, echo_texts=echo,
+                    structured_param=_structured_param(req))
 
 
 # ====================================================================== engine -> response
@@ -319,10 +332,17 @@ def _check_errors(outs) -> None:
             raise APIError(f"generation failed: {out.error}", 500)
 
 
-def _parse(state, prep: Prepared, text: str):
-    if prep.prefix:
-        return parse_forced(prep.prefix, text, state.tool_parser, prep.tool_choice)
-    return parse_tool_calls(text, state.tool_parser, state.tokenizer, prep.prompt_text, prep.tools)
+def _parse(state, prep: Prepared, out) -> ToolParse:
+    if prep.forced:  # a constrained call is a call only when its grammar completed (vLLM: "length", no call)
+        if out.finish_reason != "stop":
+            return ToolParse(out.text or None)
+        return parse_tool_calls(out.text, prep.forced)
+    return parse_tool_calls(out.text, state.tool_parser, state.tokenizer, prep.prompt_text, prep.tools)
+
+
+def _tool_finish(prep: Prepared, finish: str) -> str:
+    """OpenAI's (and vLLM's) finish_reason of a completed call: "tool_calls", but "stop" for a named function."""
+    return "tool_calls" if finish == "stop" and not isinstance(prep.tool_choice, dict) else finish
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -341,11 +361,11 @@ def chat_response(state, req: ChatCompletionRequest, prep: Prepared, outs: list,
         message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": [], "reasoning": None}
         finish = out.finish_reason
         if prep.parse_tools:
-            parsed = _parse(state, prep, out.text)
+            parsed = _parse(state, prep, out)
             if parsed.calls:
                 message["content"] = parsed.content
                 message["tool_calls"] = parsed.openai_tool_calls()
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = _tool_finish(prep, finish)
         choice = {"index": out.sample_index, "message": message,
                   "logprobs": None if prep.logprobs is None else _chat_logprobs(
                       state, prep, out.output_ids, out.output_logprobs, out.top_logprobs),
@@ -394,8 +414,9 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
     include_usage = bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
     n = prep.n
-    # The engine's deltas already hold back text a stop string may still cut; the guard holds tool calls.
-    guards = [StreamGuard(state.tool_parser if prep.parse_tools else None) for _ in range(n)]
+    # The engine's deltas already hold back text a stop string may still cut; tool calls stream as vLLM's do.
+    guards = [StreamGuard(None) for _ in range(n)]
+    calls = [ToolCallStream(prep.forced or state.tool_parser) for _ in range(n)] if prep.parse_tools else None
     texts, ntoks = [""] * n, [0] * n
     prompt_len = len(prep.prompt_ids[0])
 
@@ -418,25 +439,32 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
             delta: dict = {}
             finish = None
             if d.finish_reason is None:
-                # A forced tool call: the whole output belongs to it until parsed at the end.
-                delta["content"] = "" if prep.prefix else guards[i].feed(texts[i])
+                if calls is None:
+                    delta["content"] = guards[i].feed(texts[i])
+                else:
+                    delta["content"], tool_deltas = calls[i].feed(texts[i])
+                    if tool_deltas:
+                        delta["tool_calls"] = tool_deltas
             else:
                 out = d.output
                 finish = d.finish_reason
                 state.count_finished(out)
                 prompt_len = len(out.prompt_ids)
-                parsed = _parse(state, prep, out.text) if prep.parse_tools else None
-                if prep.prefix:
-                    delta["content"] = (parsed.content or "") if parsed.calls else _text(state, out, req)
+                if calls is None:
+                    delta["content"] = guards[i].finish(None, _text(state, out, req))
                 else:
-                    delta["content"] = guards[i].finish(parsed, _text(state, out, req))
-                if parsed is not None and parsed.calls:
-                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(parsed.openai_tool_calls())]
-                    finish = "tool_calls" if finish == "stop" else finish
+                    parsed = _parse(state, prep, out)
+                    delta["content"], tool_deltas = calls[i].finish(parsed, _text(state, out, req))
+                    if tool_deltas:
+                        delta["tool_calls"] = tool_deltas
+                    if parsed.calls:
+                        finish = _tool_finish(prep, finish)
                 if out.error:
                     yield _sse(error_body(f"generation failed: {out.error}", 500))
             if not delta["content"] and len(delta) == 1 and finish is None and not d.token_ids:
                 continue
+            if not delta["content"] and "tool_calls" in delta:
+                del delta["content"]  # a tool-call delta carries no content (vLLM's shape)
             choice = {"index": i, "delta": delta,
                       "logprobs": None if prep.logprobs is None else _chat_logprobs(
                           state, prep, d.token_ids, d.logprobs, d.top_logprobs),
@@ -507,7 +535,11 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
 def _engine_error(e: InvalidRequestError, prep: Prepared) -> APIError:
     """The engine refused a request at submission: a 400 naming the request's field."""
     param = prep.prompt_param if e.field in ("input_ids", "images", "messages") else _PARAM.get(e.field, e.field)
-    return APIError(str(e), param=param)
+    message = str(e)
+    if param.startswith("structured_outputs") and prep.structured_param != "structured_outputs":
+        # the grammar came from response_format or the tools: name that field
+        param, message = prep.structured_param, message.replace("structured_outputs", prep.structured_param, 1)
+    return APIError(message, param=param)
 
 
 async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) -> Response:

@@ -95,6 +95,7 @@ class _Sampling(_Base):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None

@@ -21,11 +21,11 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..engine.tool_grammar import HERMES_END, HERMES_START, template_format
+
 PARSERS = ("auto", "hermes", "llama3_json", "transformers")
 
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass
@@ -51,63 +51,61 @@ def pick_parser(tokenizer, requested: str = "auto") -> str:
         return requested
     if getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response"):
         return "transformers"
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if not isinstance(template, str):
-        template = json.dumps(template)
-    if HERMES_START in template:
-        return "hermes"
-    if _PYTHON_TAG in template or '"parameters"' in template:
-        return "llama3_json"
-    return "hermes"
+    return template_format(tokenizer)
 
 
 def _args_json(args) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def _call_from(obj) -> tuple[str, str] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], _args_json(args if args is not None else {})
+def hermes_arguments(args) -> str:
+    """The arguments string of a Hermes call, as vLLM makes it: JSON of the value; a string that itself holds a
+    serialized object passes through decoded once (Granite 4 writes them so), any other string is JSON-encoded."""
+    if isinstance(args, str):
+        try:
+            inner = json.loads(args)
+        except json.JSONDecodeError:
+            inner = None
+        if isinstance(inner, dict):
+            return json.dumps(inner, ensure_ascii=False)
+    return json.dumps(args, ensure_ascii=False)
 
 
 def parse_hermes(text: str) -> ToolParse:
+    """vLLM's Hermes rule: every ``<tool_call>`` body (the last may run to the end) must be a JSON object with
+    ``name`` and ``arguments``, or the whole output is content; the content is the text before the first call."""
     start = text.find(HERMES_START)
     if start < 0:
         return ToolParse(text or None)
     calls = []
     for body in _HERMES_RE.findall(text[start:]):
         try:
-            call = _call_from(json.loads(body))
+            obj = json.loads(body)
         except json.JSONDecodeError:
-            call = None
-        if call is None:  # vLLM's rule: one bad call and the whole output is plain content
-            return ToolParse(text or None)
-        calls.append(call)
+            obj = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+            return ToolParse(text or None)  # one bad call and the whole output is plain content (vLLM)
+        calls.append((obj["name"], hermes_arguments(obj["arguments"])))
     return ToolParse(text[:start] or None, calls)
 
 
 def parse_llama3_json(text: str) -> ToolParse:
-    body = text.strip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].lstrip()
-    if not body.startswith("{"):
-        return ToolParse(text or None)
+    """vLLM's Llama-3 JSON rule: each JSON object anywhere in the text (outside an earlier call) with a string
+    ``name`` and ``parameters`` / ``arguments`` is a call; other braces are prose. With calls, content is None."""
     dec, calls, pos = json.JSONDecoder(), [], 0
-    while pos < len(body):
+    while (i := text.find("{", pos)) >= 0:
         try:
-            obj, end = dec.raw_decode(body, pos)
+            obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            return ToolParse(text or None)
-        call = _call_from(obj)
-        if call is None:
-            return ToolParse(text or None)
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \t\r\n;":
-            pos += 1
-    return ToolParse(None, calls)
+            pos = i + 1
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and ("arguments" in obj or "parameters" in obj):
+            calls.append((obj["name"], json.dumps(obj["arguments"] if "arguments" in obj else obj["parameters"],
+                                                  ensure_ascii=False)))
+            pos = end
+        else:
+            pos = i + 1
+    return ToolParse(None, calls) if calls else ToolParse(text or None)
 
 
 def parse_transformers(text: str, tokenizer, prompt_text: str = "", tools=None) -> ToolParse:
@@ -131,33 +129,6 @@ def parse_tool_calls(text: str, parser: str, tokenizer=None, prompt_text: str = 
     if parser == "llama3_json":
         return parse_llama3_json(text)
     return parse_hermes(text)
-
-
-def forced_prefix(parser: str, tool_choice, tools: list[dict]) -> str:
-    """Assistant text forced before generation so that ``required`` / a named function yields a call.
-
-    vLLM enforces these choices with guided decoding; without it, forcing the call's opening is the
-    closest equivalent (the model still writes the arguments).
-    """
-    name = None
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-    elif tool_choice == "required" and len(tools) == 1:
-        name = tools[0]["function"]["name"]
-    if parser == "llama3_json":
-        return f'{{"name": "{name}", "parameters": ' if name else '{"name": "'
-    return f'{HERMES_START}\n{{"name": "{name}", "arguments": ' if name else f'{HERMES_START}\n{{"name": "'
-
-
-def parse_forced(prefix: str, text: str, parser: str, tool_choice) -> ToolParse:
-    """Parse prefix + generated text; for a named function, keep the call even if its arguments are not JSON."""
-    result = parse_tool_calls(prefix + text, parser)
-    if result.calls or not isinstance(tool_choice, dict):
-        return result
-    args = text.split(HERMES_END, 1)[0].rstrip()
-    if args.endswith("}"):
-        args = args[:-1].rstrip()  # the closing brace of {"name": ..., "arguments": ...}
-    return ToolParse(None, [(tool_choice["function"]["name"], args)])
 
 
 class StreamGuard:

@@ -12,11 +12,13 @@ one engine request with ``n=num_generations`` (one shared prefill), sampled with
 ``max_completion_length`` / temperature / top_p / top_k / min_p / repetition_penalty / generation_kwargs,
 stopping at the trainer's EOS ids. Completion ids and the engine's behaviour logprobs go back to TRL, and
 its importance-sampling correction and ``sampling/*`` logging run on them. The engine's version follows
-``trainer.state.global_step`` (bumped after every optimizer step by a callback); no weights move.
+``trainer.state.global_step`` (bumped after every optimizer step by a callback); no weights move. With
+``GRPOTrainer(tools=[...])``, TRL's tool loop generates every post-tool turn through the engine as well
+(``EngineGeneration``, what the hook puts at ``trainer.vllm_generation``).
 
 Importing ``unsloth_rollout`` does not import this module or trl.
 """
 
-from .rollout import EngineRollout, EngineVersionCallback, rollout_func, sampling_params_from_trainer
+from .rollout import EngineGeneration, EngineRollout, EngineVersionCallback, rollout_func, sampling_params_from_trainer
 
-__all__ = ["EngineRollout", "EngineVersionCallback", "rollout_func", "sampling_params_from_trainer"]
+__all__ = ["EngineGeneration", "EngineRollout", "EngineVersionCallback", "rollout_func", "sampling_params_from_trainer"]

@@ -8,6 +8,7 @@ chat template, tools and kwargs), so the ids TRL later scores are the ids the en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -98,15 +99,43 @@ class EngineVersionCallback(TrainerCallback):
         self.engine.set_version(state.global_step)
 
 
-class _EngineWeightSync:
-    """What TRL calls ``vllm_generation`` in its rollout_func path: ``sync_weights()`` is a version bump."""
+class EngineGeneration:
+    """What TRL calls ``vllm_generation`` in its rollout_func path: ``sync_weights()`` is a version bump, and
+    ``generate()`` (TRL's tool loop calls it for every post-tool turn) samples from the engine."""
 
-    def __init__(self, engine: RolloutEngine, trainer):
-        self.engine = engine
+    def __init__(self, rollout: "EngineRollout", trainer):
+        self.rollout = rollout
+        self.engine = rollout.engine
         self.trainer = trainer
 
     def sync_weights(self) -> None:
         self.engine.set_version(self.trainer.state.global_step)
+
+    def generate(self, prompts: list[list[int]], images, num_generations: int, profiler=None) -> tuple:
+        """TRL's ``VLLMGeneration.generate``: token-id prompts (each repeated ``num_generations`` times in a row)
+        -> (prompt_ids, completion_ids, logprobs [seq][token][1], logprob_token_ids [seq][token][1])."""
+        trainer, rollout = self.trainer, self.rollout
+        requests = []
+        for k in range(0, len(prompts), num_generations):
+            imgs = images[k] if images is not None else None
+            requests.append(GenerationRequest(input_ids=list(prompts[k]), images=list(imgs) if imgs else None,
+                                              sampling=sampling_params_from_trainer(trainer, num_generations)))
+        outputs = rollout.run(requests, len(prompts), trainer)
+        rollout.post_tool_outputs += outputs
+        rollout.history.append({"global_step": trainer.state.global_step, "requests": len(requests),
+                                "samples": len(outputs), "post_tool": True,
+                                "versions": sorted({v for o in outputs for v in o.output_versions})})
+        return ([list(o.prompt_ids) for o in outputs], [list(o.output_ids) for o in outputs],
+                [[[lp] for lp in o.output_logprobs] for o in outputs], [[[t] for t in o.output_ids] for o in outputs])
+
+
+def _callable_spec(fn, get_json_schema) -> dict:
+    """A Python tool's function spec; its signature takes no other keyword (TRL calls ``fn(**arguments)``)."""
+    spec = get_json_schema(fn)["function"]
+    params = spec.setdefault("parameters", {"type": "object", "properties": {}})
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+        params.setdefault("additionalProperties", False)
+    return {"type": "function", "function": spec}
 
 
 def _finite_rewards(rewards, name: str):
@@ -180,13 +209,23 @@ class EngineRollout:
         importance_sampling: let TRL apply its importance-sampling correction to the engine's behaviour
             logprobs (and log ``sampling/*``). ``None``: follow ``args.vllm_importance_sampling_correction``.
         seed: seed of an engine built here.
+        tool_choice: with ``GRPOTrainer(tools=[...])``, "required" holds every first turn to one call of one of
+            the trainer's tools with schema-valid arguments, then EOS (a grammar, engine/tool_grammar.py); None lets
+            the model choose. Logprobs stay the raw policy's (what TRL recomputes).
 
+    With ``tools=[...]`` every turn is the engine's: TRL's tool loop generates each post-tool turn through
+    ``trainer.vllm_generation.generate``, which this hook points at the engine (``post_tool_outputs`` keeps them).
     After each call ``last_outputs`` holds the engine's GenerationOutputs (ids, logprobs, versions), and
-    ``history`` gains ``{"global_step", "versions", "requests", "samples", "seconds"}``.
+    ``history`` gains ``{"global_step", "versions", "requests", "samples", "seconds"}`` (``"post_tool": True`` for
+    a post-tool turn).
     """
 
     def __init__(self, engine: RolloutEngine | PolicyModel | None = None, engine_config: EngineConfig | None = None,
-                 importance_sampling: bool | None = None, seed: int | None = None):
+                 importance_sampling: bool | None = None, seed: int | None = None, tool_choice: str | None = None):
+        if tool_choice not in (None, "auto", "required"):
+            raise InvalidRequestError("tool_choice", f"tool_choice must be None, 'auto' or 'required', got "
+                                                     f"{tool_choice!r}")
+        self.tool_choice = tool_choice
         if engine is not None and not isinstance(engine, (RolloutEngine, PolicyModel)):
             raise TypeError(f"engine must be a RolloutEngine, a PolicyModel or None; got {type(engine).__name__}")
         self._given = engine
@@ -195,6 +234,7 @@ class EngineRollout:
         self.importance_sampling = importance_sampling
         self.seed = seed
         self.last_outputs: list = []
+        self.post_tool_outputs: list = []
         self.history: list[dict] = []
         self._attached_to = None
 
@@ -217,19 +257,24 @@ class EngineRollout:
         want_is = self.importance_sampling
         if want_is is None:
             want_is = bool(getattr(trainer.args, "vllm_importance_sampling_correction", False))
-        if want_is and not getattr(trainer, "use_vllm", False):
+        tools = bool(getattr(trainer, "tools", None))
+        if (want_is or tools) and not getattr(trainer, "use_vllm", False):
             needed = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")
             missing = [a for a in needed if not hasattr(trainer, a)]
+            if missing and tools:  # TRL's own generate() would write the post-tool turns, bypassing the engine
+                raise RuntimeError(f"rollout_func: this TRL has no {missing}; its tool loop cannot be routed "
+                                   "through the rollout engine")
             if missing:
                 logger.warning("unsloth_rollout.trl: this TRL has no %s; its importance-sampling correction stays "
                                "off (the engine's logprobs match the trainer's forward anyway)", missing)
             else:
-                # TRL gates its IS correction and sampling/* logging on use_vllm; in the rollout_func path that flag
-                # only adds a sync_weights() call per optimizer step, which here is a version bump.
-                trainer.vllm_generation = _EngineWeightSync(self.engine, trainer)
+                # TRL gates its IS correction, sampling/* logging and the tool loop's generator on use_vllm; in the
+                # rollout_func path that flag adds a sync_weights() call per optimizer step (a version bump) and
+                # sends each post-tool turn to vllm_generation.generate (the engine).
+                trainer.vllm_generation = EngineGeneration(self, trainer)
                 trainer._last_loaded_step = trainer.state.global_step
                 trainer.vllm_mode = "server"
-                trainer.vllm_importance_sampling_correction = True
+                trainer.vllm_importance_sampling_correction = bool(want_is)
                 trainer.use_vllm = True
         if isinstance(getattr(trainer, "reward_funcs", None), list):  # a bad reward never reaches the advantages
             trainer.reward_funcs = [finite_reward_func(f) for f in trainer.reward_funcs]
@@ -258,20 +303,30 @@ class EngineRollout:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return GenerationRequest(input_ids=ids, images=images or None, sampling=sampling)
 
-    def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        if self._attached_to is not trainer:
-            self._attach(trainer)
+    def _first_turn_outputs(self, trainer):
+        """The grammar of ``tool_choice="required"`` over the trainer's tools (None without)."""
+        if self.tool_choice != "required":
+            return None
+        tools = getattr(trainer, "tools", None)
+        if not tools:
+            raise InvalidRequestError("tool_choice", "tool_choice='required' needs GRPOTrainer(tools=[...])")
+        from transformers.utils import get_json_schema
+
+        from ..engine.tool_grammar import template_format, tool_call_outputs
+
+        specs = [t if isinstance(t, dict) else _callable_spec(t, get_json_schema) for t in tools]
+        tok = self.engine.tokenizer
+        fmt = template_format(tok, getattr(trainer, "chat_template", None))
+        return tool_call_outputs(fmt, specs, "required", False, tok)  # one call, then EOS: bounded turns
+
+    def run(self, requests: list[GenerationRequest], expected: int, trainer) -> list:
+        """Generate ``requests`` (``expected`` samples in all) in one batch, with the tokenizers' padding sides as
+        TRL left them; a refused or failed sample raises."""
         engine = self.engine
-        if engine.version != trainer.state.global_step:
-            engine.set_version(trainer.state.global_step)
-        requests = []
-        for start, count in _group_runs(prompts):
-            requests.append(self._request(prompts[start], trainer, sampling_params_from_trainer(trainer, count)))
         policy = engine.policy
         toks = [t for t in (policy.tokenizer, getattr(trainer.processing_class, "tokenizer", None),
                             trainer.processing_class) if t is not None and hasattr(t, "padding_side")]
         sides = [t.padding_side for t in toks]
-        t0 = time.perf_counter()
         try:
             with policy.inference():  # one mode switch for the batch, not one per engine step
                 outputs = engine.generate(requests)
@@ -285,8 +340,25 @@ class EngineRollout:
         if bad:
             raise RuntimeError(f"rollout engine refused or failed {len(bad)} of {len(outputs)} samples: "
                                f"{bad[0].error or bad[0].finish_reason}")
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"rollout engine returned {len(outputs)} samples for {len(prompts)} prompts")
+        if len(outputs) != expected:
+            raise RuntimeError(f"rollout engine returned {len(outputs)} samples for {expected} prompts")
+        return outputs
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        if self._attached_to is not trainer:
+            self._attach(trainer)
+        engine = self.engine
+        if engine.version != trainer.state.global_step:
+            engine.set_version(trainer.state.global_step)
+        requests = []
+        structured = self._first_turn_outputs(trainer)
+        for start, count in _group_runs(prompts):
+            sampling = sampling_params_from_trainer(trainer, count)
+            if structured is not None:
+                sampling = dataclasses.replace(sampling, structured_outputs=structured)
+            requests.append(self._request(prompts[start], trainer, sampling))
+        t0 = time.perf_counter()
+        outputs = self.run(requests, len(prompts), trainer)
         self.last_outputs = outputs
         self.history.append({"global_step": trainer.state.global_step, "requests": len(requests),
                              "samples": len(outputs), "seconds": time.perf_counter() - t0,
