@@ -35,7 +35,7 @@ from .oracles import teacher_forced
 
 # Defects filed and being fixed; the lead deletes an entry once its fix is merged (draws then run again).
 KNOWN = {
-    "vision_lora_named": "issue 22 item 1: a named adapter with LoRA on the vision tower, on a prompt with images",
+    "vision_lora_named": "issue 22 item 1: named adapters on a VLM with LoRA on the vision tower, image prompts",
     "peft_state_after_failure": "issue 22 item 1: a forward that fails under adapter_names leaves PEFT hooks",
     "unload_last_adapter": "issue 22 item 2: unloading the last served adapter breaks later loads",
     "seeded_beside_top_p": "issue 22 item 3: seeded samples draw other tokens beside a top_p < 1 row",
@@ -121,7 +121,9 @@ def known_defects(mix: Mix) -> list[str]:
     """Names in ``KNOWN`` whose trigger this mix holds."""
     out = []
     named = [r for r in mix.rows if r.adapter is not None]
-    if mix.family in VISION_FAMILIES and any(r.adapter == "a1" and r.images for r in mix.rows):
+    # PEFT's adapter_names reach the vision tower whenever any row of the engine is named (the policy's own
+    # LoRA is on the vision tower too), so every image prompt is exposed, named or not.
+    if mix.family in VISION_FAMILIES and named and any(r.images for r in mix.rows):
         out.append("vision_lora_named")
     if "fail" in mix.events and named:
         out.append("peft_state_after_failure")
@@ -277,6 +279,7 @@ def run_mix(mix: Mix, timeout: float = 120.0) -> list[tuple[str, str]]:
                     engine.unload_lora_adapter(name)
                 except Exception as e:  # noqa: BLE001
                     failures.append(("raised", f"unload {name}: {type(e).__name__}: {e}"))
+    fm.set_reference_version(version)  # the policy holds the latest weights, whatever the rows saw
     state = fm.state_errors()
     failures += [("state", s) for s in state]
     if state or any(c == "raised" for c, _ in failures):
