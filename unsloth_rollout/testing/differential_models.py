@@ -143,14 +143,14 @@ class FamilyModels:
         left = set(getattr(model, "peft_config", {}) or {}) - {"default"}
         if left:
             errors.append(f"adapters still on the policy after unloading: {sorted(left)}")
+        with self.reference_adapter(None):
+            want = self._logits(self.reference, train=False)
         for mode in ("eval", "train"):  # the engine's unnamed rows and the trainer's own forward
             try:
                 got = self._logits(self.policy, train=mode == "train")
             except Exception as e:  # noqa: BLE001 - a forward that raises is the finding
                 errors.append(f"plain {mode} forward of the policy raises {type(e).__name__}: {e}")
                 continue
-            with self.reference_adapter(None):
-                want = self._logits(self.reference, train=False)
             diff = (got - want).abs().max().item()
             if not diff <= 1e-5:
                 errors.append(f"plain {mode} forward of the policy differs from a fresh model's by {diff:.2e}")
