@@ -65,6 +65,7 @@ class Row:
     sampling: dict = field(default_factory=dict)  # SamplingParams fields
     wave: int = 0  # 0: submitted first; 1: after the events
     seed: int = 0  # prompt text and pixels
+    follows: int | None = None  # a next turn: this row's prompt starts with row ``follows``'s prompt (prefix reuse)
 
 
 @dataclass
@@ -78,6 +79,8 @@ class Mix:
     rows: list
     events: list
     early: bool = False  # fire the events right after the first wave is submitted (still queued), not mid-decode
+    backend: str = "workspace"  # EngineConfig.decode_backend
+    max_num_seqs: int = 256
 
 
 # ====================================================================== drawing
@@ -110,7 +113,8 @@ def draw_mix(seed: int, families=None) -> Mix:
         adapters = [None, None] + (list(NAMED) if policy_lora else list(NAMED) * 2)
         rows.append(Row(kind=kind, length=rng.choice(marks) if rng.random() < 0.7 else rng.randint(2, 40),
                         images=[rng.choice(IMAGE_SIZES) for _ in range(n_img)], adapter=rng.choice(adapters),
-                        n=rng.choice([1, 1, 2, 3]), sampling=sp, wave=int(rng.random() < 0.4), seed=rng.randint(0, 10**6)))
+                        n=rng.choice([1, 1, 2, 3]), sampling=sp, wave=int(rng.random() < 0.4), seed=rng.randint(0, 10**6),
+                        follows=rng.randrange(i) if i and rng.random() < 0.25 else None))
     if not policy_lora and all(r.adapter is None for r in rows):
         rows[0].adapter = "a1"  # a policy without LoRA serves only by name here
     events = [e for e in EVENTS if rng.random() < 0.2]
@@ -119,7 +123,8 @@ def draw_mix(seed: int, families=None) -> Mix:
     if "unload_reload" in events and all(r.adapter is None for r in rows):
         events.remove("unload_reload")
     return Mix(seed, family, policy_lora, chunk, rng.choice([4, 8, 16]), rng.random() < 0.3, rows, events,
-               early=rng.random() < 0.3)
+               early=rng.random() < 0.3, backend=rng.choice(["workspace", "gather"]),
+               max_num_seqs=rng.choice([256, 256, 2]))
 
 
 def known_defects(mix: Mix) -> list[str]:
@@ -128,7 +133,7 @@ def known_defects(mix: Mix) -> list[str]:
     named = [r for r in mix.rows if r.adapter is not None]
     # PEFT's adapter_names reach the vision tower whenever any row of the engine is named (the policy's own
     # LoRA is on the vision tower too), so every image prompt is exposed, named or not.
-    if mix.family in VISION_FAMILIES and named and any(r.images for r in mix.rows):
+    if mix.family in VISION_FAMILIES and named and any(_has_images(mix, i) for i in range(len(mix.rows))):
         out.append("vision_lora_named")
     if "fail" in mix.events and named:
         out.append("peft_state_after_failure")
@@ -157,20 +162,31 @@ def processor_inputs(policy, messages, images) -> dict:
     return dict(policy.processor(text=[text], images=[images] if images else None, return_tensors="pt"))
 
 
-def _request(fm, row: Row, rid: str):
+def _requests(fm, rows) -> list:
     from .. import GenerationRequest, SamplingParams
 
-    rng = random.Random(row.seed)
-    words = [rng.choice(WORDS) for _ in range(max(row.length, 1) + 4)]
-    sp = SamplingParams(**row.sampling, n=row.n)
-    if not fm.is_vlm:
-        ids = fm.policy.tokenizer.encode(" ".join(words * 2))[: max(row.length, 1)]
-        return GenerationRequest(input_ids=ids, sampling=sp, lora_name=row.adapter, request_id=rid)
-    parts = [{"type": "image"} for _ in row.images]
-    parts = ([{"type": "text", "text": "look:"}] if row.seed % 2 else []) + parts
-    parts.append({"type": "text", "text": " ".join(words[: row.length])})
-    return GenerationRequest(messages=[{"role": "user", "content": parts}], images=make_images(row.images, row.seed)
-                             or None, sampling=sp, lora_name=row.adapter, request_id=rid)
+    reqs = []
+    for i, row in enumerate(rows):
+        rng = random.Random(row.seed)
+        words = [rng.choice(WORDS) for _ in range(max(row.length, 1) + 4)]
+        sp = SamplingParams(**row.sampling, n=row.n)
+        first = reqs[row.follows] if row.follows is not None and row.follows < i else None
+        if not fm.is_vlm:
+            ids = fm.policy.tokenizer.encode(" ".join(words * 2))[: max(row.length, 1)]
+            ids = (first.input_ids if first else []) + ids
+            reqs.append(GenerationRequest(input_ids=ids, sampling=sp, lora_name=row.adapter, request_id=f"r{i}"))
+            continue
+        parts = [{"type": "image"} for _ in row.images]
+        parts = ([{"type": "text", "text": "look:"}] if row.seed % 2 else []) + parts
+        parts.append({"type": "text", "text": " ".join(words[: row.length])})
+        msgs = [{"role": "user", "content": parts}]
+        images = make_images(row.images, row.seed)
+        if first:  # the earlier conversation, an assistant answer, then this turn
+            msgs = first.messages + [{"role": "assistant", "content": "ok"}] + msgs
+            images = list(first.images or []) + images
+        reqs.append(GenerationRequest(messages=msgs, images=images or None, sampling=sp, lora_name=row.adapter,
+                                      request_id=f"r{i}"))
+    return reqs
 
 
 # ====================================================================== running
@@ -209,7 +225,8 @@ def _engine(fm, mix: Mix, reqs, small: bool):
     if small:  # room for the longest alone (and a spare block), far from all of them together
         need = [-(-(len(_prepare(fm, r)) + r.sampling.max_new_tokens) // bs) * r.sampling.n for r in reqs]
         budget = per_token * bs * max(max(need) + 2, sum(need) // 3)
-    cfg = EngineConfig(kv_cache_memory_bytes=budget, block_size=bs, prefill_chunk_tokens=mix.chunk)
+    cfg = EngineConfig(kv_cache_memory_bytes=budget, block_size=bs, prefill_chunk_tokens=mix.chunk,
+                       decode_backend=mix.backend, max_num_seqs=mix.max_num_seqs)
     return RolloutEngine(fm.policy, cfg, seed=0)
 
 
@@ -222,7 +239,7 @@ def _wait(engine, cond, timeout=60.0):
 def run_mix(mix: Mix, timeout: float = 120.0) -> list[tuple[str, str]]:
     """Run ``mix``; returns [(check, message)] of what failed (empty: every oracle held)."""
     fm = family_models(mix.family, mix.policy_lora)
-    reqs = [_request(fm, r, f"r{i}") for i, r in enumerate(mix.rows)]
+    reqs = _requests(fm, mix.rows)
     failures, engine, probe = [], None, None
     version = 0
     try:
@@ -370,9 +387,16 @@ def _check_logprobs(fm, row, req, s, enc, where):
     for v in sorted(set(s.output_versions)):
         fm.set_reference_version(v)
         with fm.reference_adapter(row.adapter) as ref:
-            want, _ = teacher_forced(ref, s.prompt_ids, s.output_ids, temp, **_vision(enc))
+            want, logits = teacher_forced(ref, s.prompt_ids, s.output_ids, temp, **_vision(enc))
         at = [j for j, x in enumerate(s.output_versions) if x == v]
         worst = max(worst, (got[at] - want.double()[at]).abs().max().item())
+        if s.top_logprobs is not None:  # the top-k alternatives: the k largest of the same distribution
+            top = torch.log_softmax(logits / temp, dim=-1).topk(row.sampling["logprobs"], dim=-1)
+            for j in at:
+                exp = dict(zip(top.indices[j].tolist(), top.values[j].tolist()))
+                have = s.top_logprobs[j]
+                if set(have) != set(exp) or max(abs(have[t] - exp[t]) for t in exp) > TOL:
+                    return [("top_logprobs", f"{where} sample {s.sample_index} token {j}: {have} != {exp}")]
     if not worst <= TOL:
         return [("logprobs", f"{where} sample {s.sample_index}: logprob drift {worst:.2e} from a teacher-forced "
                              f"forward of the weights and adapter it used")]
@@ -403,9 +427,11 @@ def _smaller(mix: Mix):
         yield dataclasses.replace(mix, small_kv=False)
     if mix.early:
         yield dataclasses.replace(mix, early=False)
+    if mix.max_num_seqs != 256:
+        yield dataclasses.replace(mix, max_num_seqs=256)
     for i in range(len(mix.rows)):
         if len(mix.rows) > 1:
-            yield dataclasses.replace(mix, rows=mix.rows[:i] + mix.rows[i + 1:])
+            yield dataclasses.replace(mix, rows=_without_row(mix.rows, i))
     for i, r in enumerate(mix.rows):
         edits = [dataclasses.replace(r, images=r.images[:j] + r.images[j + 1:]) for j in range(len(r.images))]
         if r.adapter is not None and (mix.policy_lora or sum(x.adapter is not None for x in mix.rows) > 1):
@@ -414,8 +440,24 @@ def _smaller(mix: Mix):
             edits.append(dataclasses.replace(r, n=1))
         if r.wave:
             edits.append(dataclasses.replace(r, wave=0))
+        if r.follows is not None:
+            edits.append(dataclasses.replace(r, follows=None))
         for e in edits:
             yield dataclasses.replace(mix, rows=mix.rows[:i] + [e] + mix.rows[i + 1:])
+
+
+def _without_row(rows, i):
+    out = []
+    for j, r in enumerate(rows):
+        if j != i:
+            f = r.follows
+            out.append(dataclasses.replace(r, follows=None if f == i else (f - 1 if f is not None and f > i else f)))
+    return out
+
+
+def _has_images(mix: Mix, i: int) -> bool:
+    r = mix.rows[i]
+    return bool(r.images) or (r.follows is not None and _has_images(mix, r.follows))
 
 
 def shrink(mix: Mix, checks: set[str], budget: int = 40) -> Mix:
@@ -437,7 +479,7 @@ def shrink(mix: Mix, checks: set[str], budget: int = 40) -> Mix:
 def describe(mix: Mix, failures) -> str:
     lines = [f"differential mix seed={mix.seed} family={mix.family} policy_lora={mix.policy_lora} "
              f"chunk={mix.chunk} block_size={mix.block_size} small_kv={mix.small_kv} events={mix.events} "
-             f"early={mix.early}"]
+             f"early={mix.early} backend={mix.backend} max_num_seqs={mix.max_num_seqs}"]
     lines += [f"  row {i}: {r}" for i, r in enumerate(mix.rows)]
     lines += [f"  FAILED {c}: {m}" for c, m in failures]
     return "\n".join(lines)

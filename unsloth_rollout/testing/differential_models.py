@@ -74,6 +74,7 @@ class FamilyModels:
         if policy_lora:
             perturb_lora(self.policy.model, std=0.3, seed=0)
         self.model_type = type(self.policy.model)
+        self._logits(self.policy, train=False)  # transformers installs its output-capturing hooks at a first forward
         self.hooks = _hook_count(self.policy.model)
         self.version_weights = {0: self._default_b(ref.model)}  # weights of the policy's adapter per version
         self.broken = False
