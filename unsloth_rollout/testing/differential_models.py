@@ -127,7 +127,7 @@ class FamilyModels:
         if not self.is_vlm:
             ids = tok.encode("the quick brown fox jumps over a lazy dog while Alice counts")
             return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-        from .differential import make_images, processor_inputs
+        from .differential_checks import make_images, processor_inputs
 
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "the quick brown fox"}]}]
         return processor_inputs(self.policy, msgs, make_images([(40, 56)], seed=5))
