@@ -62,7 +62,7 @@ class FamilyModels:
             src = ref
             if name == "a2" and self.is_vlm:  # language layers only: no LoRA on the vision tower
                 src = _load(family, {"r": 8, "finetune_vision_layers": False})
-            perturb_lora(src.model, std=0.3, seed=seed)
+            perturb_lora(src.model, std=0.2, seed=seed)  # 0.3 doubles the fp32 noise to ~1e-5 on some families
             self.adapter_dirs[name] = f"{self._tmp.name}/{name}"
             src.model.save_pretrained(self.adapter_dirs[name])
         perturb_lora(ref.model, std=0.3, seed=0)  # the policy's own adapter, "default"
