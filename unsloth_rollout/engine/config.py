@@ -232,5 +232,5 @@ class EngineConfig:
         _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
                                                         and self.decode_workspace_bytes >= 0),
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
-        _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
-               f"must be 'gather' or 'workspace', got {self.decode_backend!r}")
+        _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
+               f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
