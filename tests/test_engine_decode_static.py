@@ -110,3 +110,36 @@ def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
     assert outs[0].output_ids == _greedy(policy, ids, 10)
     assert outs[1].output_ids == _greedy(other, ids, 10)
     assert outs[0].output_ids != outs[1].output_ids
+
+
+@pytest.mark.slow  # a second compile (the VLM's graph): minutes on a shared 2-core machine
+def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
+    """Qwen2.5-VL with LoRA: text positions after images carry each row's M-RoPE delta into the graph."""
+    import numpy as np
+    from PIL import Image
+
+    policy = load_model(qwen2_5_vl_dir, backend="transformers", lora={"r": 8, "random_state": 0})
+    perturb_lora(policy.model, std=0.3, seed=1)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static"))
+    try:
+        rng = np.random.default_rng(2)
+        images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((56, 40), (30, 70))]
+        reqs = [GenerationRequest(messages=[{"role": "user", "content": [{"type": "image"}] * k + [
+            {"type": "text", "text": text}]}], images=images[:k], sampling=SamplingParams(max_new_tokens=12,
+                                                                                         temperature=0))
+            for k, text in ((1, "what is it"), (2, "compare the two pictures please"), (0, "alice counts"))]
+        outs = engine.generate(reqs)
+        graphs, suppress = _graphs(), engine.sampler.suppress_ids or None
+        assert engine.runner.static.steps > 0 and engine.runner.static.eager_steps == 0
+    finally:
+        engine.shutdown()
+    for r, o in zip(reqs, outs):
+        text = policy.processor.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        inputs = dict(policy.processor(text=[text], images=r.images or None, return_tensors="pt"))
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(policy.dtype)
+        policy.clear_rope_deltas()
+        ref = policy.model.generate(**inputs, max_new_tokens=12, do_sample=False, suppress_tokens=suppress)
+        assert o.prompt_ids == inputs["input_ids"][0].tolist()
+        assert o.output_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    assert _graphs() == graphs
