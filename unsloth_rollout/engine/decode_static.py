@@ -11,8 +11,8 @@ Python and dispatcher, while the arithmetic is near zero. This backend runs the 
 - Per-step metadata (token ids, positions incl. M-RoPE deltas, write slots, lengths) goes in as small tensors;
   the batch, the context length and the workspace's own row count / capacity are marked dynamic, so one graph
   serves every batch size >= 2 (a batch of one is padded to two: dynamo specializes size-1 dimensions) and
-  every context length. On CUDA the batch is padded to a bucket (``BATCH_BUCKETS``) so a CUDA-graph mode
-  captures a graph per bucket.
+  every context length. On CUDA the batch is also padded to a bucket (``BATCH_BUCKETS``), so a CUDA-graph
+  ``compile_mode`` ("reduce-overhead") records a bounded set of graphs (untested: no GPU was at hand).
 - Parameters are graph inputs (dynamo lifts module parameters), never baked: an optimizer step that updates
   the LoRA weights in place is seen by the next step.
 - The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
@@ -125,9 +125,8 @@ class StaticDecode:
 
     def _mark(self, args) -> None:
         input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v = args
-        if not self.pad_buckets:
-            for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
-                torch._dynamo.mark_dynamic(t, d)
+        for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
+            torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
         torch._dynamo.mark_dynamic(k_pos, 0)
         for t in ws_k + ws_v:  # rows and capacity grow with the batch and the context
             torch._dynamo.mark_dynamic(t, 0)
