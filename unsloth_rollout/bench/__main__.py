@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default=None,
                    help=f"comma-separated; those that cannot run here are listed with the reason (default "
                         f"{','.join(BACKENDS)}; for --workload long the engine's decode backends "
-                        f"{','.join(LONG_DEFAULTS['backends'])})")
+                        f"{','.join(LONG_DEFAULTS['backends'])}; add 'static' for the captured decode beside the "
+                        "eager ones)")
     p.add_argument("--contexts", default=",".join(map(str, LONG_DEFAULTS["contexts"])),
                    help="--workload long: prompt lengths (tokens) to decode at")
     p.add_argument("--batch", type=int, default=LONG_DEFAULTS["batch"],

@@ -192,6 +192,9 @@ class EngineConfig:
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
             The compiled decode always gathers. Memory: the workspace holds the running rows' history a second
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
+            "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
+            step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
+            (``stats()["decode_warmup_s"]``, minutes on a small CPU); ``compile_mode`` is its torch.compile mode.
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
@@ -232,5 +235,5 @@ class EngineConfig:
         _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
                                                         and self.decode_workspace_bytes >= 0),
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
-        _check(self.decode_backend in ("gather", "workspace"), "decode_backend",
-               f"must be 'gather' or 'workspace', got {self.decode_backend!r}")
+        _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
+               f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")

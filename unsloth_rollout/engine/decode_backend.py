@@ -29,7 +29,7 @@ import torch
 
 from .kv_cache import CacheView, KVCache
 
-DECODE_BACKENDS = ("gather", "workspace")
+DECODE_BACKENDS = ("gather", "workspace", "static")
 
 
 class DecodeWorkspace:

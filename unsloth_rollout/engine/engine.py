@@ -307,7 +307,10 @@ class RolloutEngine:
             decode_workspace_fallbacks=ws.fallbacks if ws is not None else 0,
             prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
             prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
-            num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len)
+            num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len,
+            decode_backend=self.core.runner.decode_backend)
+        if (st := self.core.runner.static) is not None:  # the captured decode (decode_static.py)
+            s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps)
         return s
 
     # ================================================================== submission

@@ -99,8 +99,9 @@ class ModelRunner:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
         self.decode_backend = "gather" if compile_decode else decode_backend
+        # "static" (decode_static.py) is the workspace rows read by a compiled step; eager steps share them.
         self.workspace = (DecodeWorkspace(kv_cache, budget_bytes=decode_workspace_bytes)
-                          if self.decode_backend == "workspace" else None)
+                          if self.decode_backend in ("workspace", "static") else None)
         kv_cache.on_release.append(self.release_workspace)
         self.device = policy.device
         cfg = policy.config
@@ -128,6 +129,11 @@ class ModelRunner:
             # Automatic dynamic shapes on CPU; on CUDA "reduce-overhead" captures CUDA graphs per bucket.
             mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else None)
             self._compiled = torch.compile(self._static_decode, mode=mode, dynamic=None)
+        self.static = None
+        if self.decode_backend == "static":
+            from .decode_static import StaticDecode
+
+            self.static = StaticDecode(self, compile_mode)
 
     def _find_rope_index(self):
         m = self.policy.base_model
@@ -357,6 +363,10 @@ class ModelRunner:
         n_rows = len(tokens)
         names = self.adapter_names(adapters or [None] * n_rows)
         if keys is not None and self.workspace is not None and not self.workspace.gathering:
+            if self.static is not None and not eager:
+                if names is None and self.static.fits(n_rows, max(lengths) + 1):
+                    return self.static.run(tokens, lengths, deltas, block_tables)
+                self.static.eager_steps += 1  # rows naming different adapters (or no room to pad): eager, same rows
             return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         static = self._compiled is not None and names is None and not eager
         b = _bucket(n_rows) if static else n_rows
@@ -417,6 +427,8 @@ class ModelRunner:
             if self.workspace is not None:
                 self.workspace.arrange([], [], [])
             self.kv.free(blocks)
+        if self.static is not None:
+            self.static.warm()  # compiles the captured step, after its eager run through the guard
 
     def _static_decode(self, input_ids, position_ids, lengths, write_slots, gather_index) -> torch.Tensor:
         """The fixed-shape decode step (bucketed batch and length) that torch.compile captures."""

@@ -1,0 +1,145 @@
+"""The captured decode step (engine/decode_static.py, ``decode_backend="static"``).
+
+Oracles: HF greedy ``generate()`` (tokens), a teacher-forced forward (logprobs within 1e-5), torch._dynamo's own
+graph counter (no recompile after warm-up as contexts, batches and the workspace grow), and the eager model after
+an in-place LoRA update (the compiled graph reads the parameters, it does not bake them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _greedy(policy, ids, n):
+    """HF generate's greedy tokens (stopping at EOS, as the engine's greedy requests here do)."""
+    out = policy.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _req(ids, n, temperature=0.0, seed=None, lora_name=None):
+    return GenerationRequest(input_ids=ids, lora_name=lora_name, sampling=SamplingParams(
+        max_new_tokens=n, temperature=temperature, seed=seed, ignore_eos=temperature > 0))
+
+
+@pytest.fixture(scope="module")
+def served(qwen2_dir):
+    """One LoRA policy and one engine on the static backend (compiled once: warm-up dominates the cost)."""
+    torch.manual_seed(0)
+    policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8, "random_state": 0})
+    perturb_lora(policy.model, std=0.3, seed=0)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static"))
+    yield policy, engine
+    engine.shutdown()
+
+
+def test_static_decode_is_warm_at_start_and_never_recompiles(served):
+    policy, engine = served
+    st = engine.runner.static
+    stats = engine.stats()
+    assert stats["decode_backend"] == "static" and stats["decode_warmup_s"] > 0
+    graphs = _graphs()
+    tok = policy.tokenizer
+    # Batches of 1, 5 and 11 rows (the workspace grows from 8 rows to 16), contexts from 3 tokens past 300
+    # (its capacity grows past 256), sequences finishing at different steps (the batch shrinks as they go).
+    prompts = [tok.encode(" ".join(["alice", "bob", "counts", "apples"][j % 4] for j in range(2 + 9 * i)))
+               for i in range(11)]
+    prompts[3] = (prompts[3] * 40)[:290]
+    rounds = [[0], prompts[1:6], prompts]
+    lens = [30, 25, 3, 12, 18, 7, 22, 9, 14, 5, 11]
+    steps0 = st.steps
+    for batch in rounds:
+        batch = [p if isinstance(p, list) else prompts[p] for p in batch]
+        reqs = [_req(p, lens[i]) for i, p in enumerate(batch)]
+        outs = engine.generate(reqs)
+        for r, o in zip(reqs, outs):
+            assert o.output_ids == _greedy(policy, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:5]
+    assert engine.runner.workspace.k[0].shape[2] > 256 and engine.runner.workspace.k[0].shape[0] >= 16
+    assert st.steps - steps0 >= 20 and st.eager_steps == 0
+    assert _graphs() == graphs and st.recompiles == 0 and engine.stats()["decode_recompiles"] == 0
+
+
+def test_static_decode_logprobs_match_teacher_forced(served):
+    policy, engine = served
+    tok = policy.tokenizer
+    reqs = [_req(tok.encode(p), 16, temperature=t, seed=i) for i, (p, t) in enumerate(
+        [("the lazy dog sleeps while", 0.8), ("12 + 7 =", 1.0), ("Bob and Carol went to the market", 1.3)])]
+    for r, o in zip(reqs, engine.generate(reqs)):
+        lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, r.sampling.temperature)
+        assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
+
+
+def test_static_decode_follows_in_place_lora_updates(served):
+    """An optimizer-style in-place change of every LoRA B is seen by the very next compiled step."""
+    policy, engine = served
+    ids = policy.tokenizer.encode("alice counts twelve red apples at")
+    before = engine.generate([_req(ids, 12)])[0].output_ids
+    graphs = _graphs()
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    engine.weights_changed(1)
+    after = engine.generate([_req(ids, 12)])[0].output_ids
+    assert after == _greedy(policy, ids, 12)
+    assert after != before, "the update was meant to change the greedy tokens"
+    assert _graphs() == graphs
+
+
+def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
+    """Rows naming different adapters (PEFT's per-row adapter_names) fall back to the eager workspace step."""
+    policy, engine = served
+    other = load_model(policy.name_or_path, backend="transformers", lora={"r": 8, "random_state": 1})
+    perturb_lora(other.model, std=0.3, seed=7)
+    other.model.save_pretrained(str(tmp_path / "b"))
+    engine.load_lora_adapter("b", str(tmp_path / "b"))
+    st = engine.runner.static
+    eager0 = st.eager_steps
+    ids = policy.tokenizer.encode("Bob and Carol went to")
+    outs = engine.generate([_req(ids, 10), _req(ids, 10, lora_name="b")])
+    assert st.eager_steps > eager0
+    assert outs[0].output_ids == _greedy(policy, ids, 10)
+    assert outs[1].output_ids == _greedy(other, ids, 10)
+    assert outs[0].output_ids != outs[1].output_ids
+
+
+@pytest.mark.slow  # a second compile (the VLM's graph): minutes on a shared 2-core machine
+def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
+    """Qwen2.5-VL with LoRA: text positions after images carry each row's M-RoPE delta into the graph."""
+    import numpy as np
+    from PIL import Image
+
+    policy = load_model(qwen2_5_vl_dir, backend="transformers", lora={"r": 8, "random_state": 0})
+    perturb_lora(policy.model, std=0.3, seed=1)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static"))
+    try:
+        rng = np.random.default_rng(2)
+        images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((56, 40), (30, 70))]
+        reqs = [GenerationRequest(messages=[{"role": "user", "content": [{"type": "image"}] * k + [
+            {"type": "text", "text": text}]}], images=images[:k], sampling=SamplingParams(max_new_tokens=12,
+                                                                                         temperature=0))
+            for k, text in ((1, "what is it"), (2, "compare the two pictures please"), (0, "alice counts"))]
+        outs = engine.generate(reqs)
+        graphs, suppress = _graphs(), engine.sampler.suppress_ids or None
+        assert engine.runner.static.steps > 0 and engine.runner.static.eager_steps == 0
+    finally:
+        engine.shutdown()
+    for r, o in zip(reqs, outs):
+        text = policy.processor.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        inputs = dict(policy.processor(text=[text], images=r.images or None, return_tensors="pt"))
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(policy.dtype)
+        policy.clear_rope_deltas()
+        ref = policy.model.generate(**inputs, max_new_tokens=12, do_sample=False, suppress_tokens=suppress)
+        assert o.prompt_ids == inputs["input_ids"][0].tolist()
+        assert o.output_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    assert _graphs() == graphs

@@ -1,0 +1,200 @@
+"""The captured decode step (``decode_backend="static"``): one compiled graph for every batch and context.
+
+The eager decode is dispatch-bound on small-hidden models: a step is hundreds of Python module calls (36 layers
+x 7 projections x base + LoRA A + LoRA B, norms, rotary, attention, cache writes), each a few microseconds of
+Python and dispatcher, while the arithmetic is near zero. This backend runs the same model forward through
+``torch.compile`` once, with shapes that never force a recompile as sequences grow:
+
+- The KV history lives in the decode workspace rows (``DecodeWorkspace``, filled once when a sequence joins,
+  outside the graph); each step the graph writes the new token into the paged pool and into its row in place,
+  and attention reads the view ``ws[:B, :, :L]``: no gather, no Python per row or per layer inside the step.
+- Per-step metadata (token ids, positions incl. M-RoPE deltas, write slots, lengths) goes in as small tensors;
+  the batch, the context length and the workspace's own row count / capacity are marked dynamic, so one graph
+  serves every batch size >= 2 (a batch of one is padded to two: dynamo specializes size-1 dimensions) and
+  every context length. On CUDA the batch is also padded to a bucket (``BATCH_BUCKETS``), so a CUDA-graph
+  ``compile_mode`` ("reduce-overhead") records a bounded set of graphs (untested: no GPU was at hand).
+- Parameters are graph inputs (dynamo lifts module parameters), never baked: an optimizer step that updates
+  the LoRA weights in place is seen by the next step.
+- The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
+  are counted (``stats()["decode_recompiles"]``). Steps the graph cannot serve exactly run eager through the
+  same workspace rows: rows that name different adapters (PEFT's per-row ``adapter_names`` is Python).
+
+The arithmetic is the eager workspace decode's (same attention function, same masks, same view code, checked by
+the cache-use guard in the engine's probe); only the kernels differ (inductor's fused elementwise ops).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
+from .kv_cache import CacheView
+
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_bucket(n: int) -> int:
+    """The padded batch of ``n`` rows on CUDA: the next bucket (multiples of 256 past the last)."""
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 256) * 256
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class StaticView(CacheView):
+    """One decode step's cache: each layer's new token goes into the pool (``write_slots``) and into its
+    workspace row at ``lengths[i]``; attention reads ``ws[:B, :, :L]`` in place. All tensors are passed in, so
+    a compiled step holds no reference to storage that may move."""
+
+    def __init__(self, cache, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx):
+        super().__init__(cache, write_slots, None, key_len, ctx)
+        self.pool_k, self.pool_v, self.ws_k, self.ws_v = pool_k, pool_v, ws_k, ws_v
+        self.rows = torch.arange(lengths.shape[0], device=lengths.device)
+        self.lengths = lengths
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        b = key_states.shape[0]
+        pk, pv = self.pool_k[layer_idx], self.pool_v[layer_idx]
+        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
+        pk.index_copy_(0, self.write_slots, k_new.to(pk.dtype))
+        pv.index_copy_(0, self.write_slots, v_new.to(pv.dtype))
+        wk, wv = self.ws_k[layer_idx], self.ws_v[layer_idx]
+        wk[self.rows, :, self.lengths] = k_new.to(wk.dtype)
+        wv[self.rows, :, self.lengths] = v_new.to(wv.dtype)
+        n = self._seq_length
+        return wk[:b, :, :n].to(key_states.dtype), wv[:b, :, :n].to(value_states.dtype)
+
+
+class StaticDecode:
+    """The compiled decode over a ``DecodeWorkspace``; ``decode`` has the eager workspace decode's contract."""
+
+    def __init__(self, runner, mode: str | None = None):
+        self.runner = runner
+        self.ws = runner.workspace
+        self.device = runner.device
+        self.pad_buckets = self.device.type == "cuda"
+        self._fn = torch.compile(self._step, mode=mode, dynamic=None)
+        self.warmup_s = 0.0
+        self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
+        self.recompiles = 0
+        self.steps = 0
+        self.eager_steps = 0
+        # Skipping dynamo's per-call guard evaluation (a few ms per step over every parameter) is global torch
+        # state while the step runs: off unless asked (a trainer's own compiled code could run meanwhile).
+        self.skip_guards = False
+        self._traced_key = None
+
+    # ------------------------------------------------------------------ the graph
+    def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, check=False):
+        r = self.runner
+        key_len = k_pos.shape[0]
+        kp = k_pos.view(1, -1)
+        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=check)
+        ctx.inner = r._inner
+        view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx)
+        out = r.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=True,
+                             logits_to_keep=1, **{r._cache_arg: view, CTX_KWARG: ctx})
+        if check:  # the eager run in warm(): every layer wrote and read through this view
+            ctx.verify(r.policy.model, r.num_layers)
+        return out.logits[:, -1, :]
+
+    def _inputs(self, tokens, lengths, deltas, block_tables):
+        r, kv = self.runner, self.runner.kv
+        n = len(tokens)
+        b = batch_bucket(n) if self.pad_buckets else max(n, 2)
+        bs = kv.block_size
+        write = [t[m // bs] * bs + m % bs for t, m in zip(block_tables, lengths)] + [kv.scratch_slot] * (b - n)
+        pad = [0] * (b - n)
+        input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
+        key_len = max(lengths) + 1
+        if not self.ws._ensure(b, key_len):  # padded rows write position 0 of spare rows: masked, refilled on join
+            raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
+        k_pos = torch.arange(key_len, device=self.device)
+        args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
+                kv.k, kv.v, self.ws.k, self.ws.v)
+        self._mark(args)
+        return args
+
+    def _mark(self, args) -> None:
+        input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v = args
+        for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
+            torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
+        torch._dynamo.mark_dynamic(k_pos, 0)
+        for t in ws_k + ws_v:  # rows and capacity grow with the batch and the context
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 2)
+
+    def fits(self, n_rows: int, key_len: int) -> bool:
+        """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
+        b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
+        return self.ws._ensure(b, key_len)
+
+    def run(self, tokens, lengths, deltas, block_tables) -> torch.Tensor:
+        """Logits [B, V] of a decode step whose rows are arranged in the workspace (``arrange``)."""
+        ws = self.ws
+        if ws.lengths != list(lengths) or ws.rows != len(tokens):
+            raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
+        args = self._inputs(tokens, lengths, deltas, block_tables)
+        before = _graphs()
+        logits = self._call(args)[: len(tokens)]
+        if self.warm_graphs is not None and _graphs() > before:
+            self.recompiles += _graphs() - before
+        ws.advance()
+        self.steps += 1
+        return logits
+
+    def _key(self) -> tuple:
+        """What the graph was traced under that dynamo's guards would otherwise have to re-check every step."""
+        m = self.runner.policy.model
+        peft = getattr(m, "peft_config", None)
+        return (id(m), m.training, str(getattr(m, "active_adapter", None)), tuple(sorted(peft or ())),
+                self.runner.base_default, self.runner._inner)
+
+    def _call(self, args, fn=None):
+        cfg = self.runner._text_config
+        saved = cfg._attn_implementation_internal
+        cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
+        set_current(None)
+        try:
+            if fn is not None:
+                return fn(*args)
+            key = self._key()
+            if self.skip_guards and key == self._traced_key:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self._fn(*args)
+            out = self._fn(*args)
+            self._traced_key = key
+            return out
+        finally:
+            cfg._attn_implementation_internal = saved
+
+    def warm(self) -> None:
+        """Compile the step now (a throwaway batch of two rows in a free block), so no request waits on it."""
+        kv, ws = self.runner.kv, self.ws
+        blocks = kv.allocate(1)
+        if blocks is None:
+            return
+        t = time.perf_counter()
+        try:
+            with self.runner.policy.lock, torch.inference_mode(), self.runner.policy.inference():
+                keys = [("warm", 0), ("warm", 1)]
+                if ws.arrange(keys, [2, 2], [blocks, blocks]) is None:
+                    return  # a workspace budget too small for two rows: every step gathers, eager
+                args = self._inputs([0, 0], [2, 2], [0, 0], [blocks, blocks])
+                self._call(args, lambda *a: self._step(*a, check=True))  # the cache-use guard, eager
+                ws.lengths = [2, 2]
+                self._call(args)
+                ws.advance()
+        finally:
+            ws.arrange([], [], [])
+            kv.free(blocks)
+        self.warmup_s = time.perf_counter() - t
+        self.warm_graphs = _graphs()
