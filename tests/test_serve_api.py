@@ -65,7 +65,7 @@ def server(model_dir, media_dir, workdir):
         [sys.executable, "-m", "unsloth_rollout.serve", model_dir, "--port", str(port), "--model-backend", "transformers",
          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME, "--max-images-per-request", "2",
          "--max-n", "8", "--max-image-pixels", "10000", "--allowed-local-media-path", str(media_dir),
-         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning"],
+         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning", "--enable-runtime-lora"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180

@@ -1,0 +1,151 @@
+"""Adapter lifecycle as vLLM's: what the engine cannot serve exactly is refused at load (400 naming the reason, 404
+for a missing folder) with everything else still serving unchanged; unload-last / load-again and in-place reloads
+work on a model with no adapter of its own; loading over HTTP is off unless switched on.
+
+Oracles: a fresh PEFT model running only the adapter (greedy tokens from a teacher-forced forward, and its
+logprobs), the outputs from before a refused load (identical after), and the trainer-visible state of the model
+(``requires_grad``, ``training``, the plain forward) against its value before or a fresh model's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from unsloth_rollout.models.adapters import AdapterNotFoundError
+from unsloth_rollout.testing.adapters import adapter_oracle, bad_adapters, lora_policy, save_adapter
+from unsloth_rollout.testing.oracles import teacher_forced
+from unsloth_rollout.testing.tiny import tiny_model_path
+
+PROMPTS = [[21, 34, 55, 89, 144], [3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377]]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def text_path():
+    return str(tiny_model_path("qwen2", "tiny"))
+
+
+@pytest.fixture(scope="module")
+def adapters(text_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("adapters")
+    # b with LoRA dropout: a served adapter must never sample its dropout.
+    a, b = save_adapter(text_path, d / "a", seed=1), save_adapter(text_path, d / "b", seed=2, lora_dropout=0.3)
+    return {"a": a, "b": b, "r16": save_adapter(text_path, d / "r16", seed=3, r=16), "bad": bad_adapters(a, d / "bad")}
+
+
+def run(engine, lora=None) -> list[tuple]:
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    outs = engine.generate([GenerationRequest(input_ids=p, lora_name=lora, sampling=sp) for p in PROMPTS])
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [(tuple(o.output_ids), tuple(o.output_logprobs)) for o in outs]
+
+
+def assert_runs(oracle, got: list[tuple]) -> None:
+    """Each greedy token is the oracle's argmax and each logprob its value (a teacher-forced forward)."""
+    for prompt, (ids, lps) in zip(PROMPTS, got):
+        ref, logits = teacher_forced(oracle, prompt, list(ids))
+        assert logits.argmax(-1).tolist() == list(ids)
+        assert (torch.tensor(lps) - ref).abs().max() <= 1e-5
+
+
+def trainer_state(policy) -> tuple:
+    return ([(n, p.requires_grad) for n, p in policy.model.named_parameters()],
+            [(n, m.training) for n, m in policy.model.named_modules()])
+
+
+def test_refused_loads_change_nothing(text_path, adapters):
+    policy = lora_policy(text_path, seed=0)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, max_lora_rank=8, max_loras=2))
+    engine.load_lora_adapter("a", adapters["a"])
+    before, before_a, state = run(engine), run(engine, "a"), trainer_state(policy)
+    for kind, (path, status, phrase) in adapters["bad"].items():
+        err = AdapterNotFoundError if status == 404 else InvalidRequestError
+        with pytest.raises(err, match=phrase) as e:
+            engine.load_lora_adapter(kind, path)
+        assert e.value.field == "lora_path"
+        assert type(e.value) is err, kind
+    with pytest.raises(InvalidRequestError, match="greater than max_lora_rank 8"):
+        engine.load_lora_adapter("r16", adapters["r16"])
+    with pytest.raises(InvalidRequestError, match="already been loaded"):
+        engine.load_lora_adapter("a", adapters["b"])
+    with pytest.raises(InvalidRequestError, match="DoRA"):  # a refused in-place reload keeps the old weights
+        engine.load_lora_adapter("a", adapters["bad"]["dora"][0], load_inplace=True)
+    # Any name a request may use, even the policy's own adapter's name inside PEFT or one with dots.
+    engine.load_lora_adapter("default", adapters["b"])
+    with pytest.raises(InvalidRequestError, match="max_loras is 2"):
+        engine.load_lora_adapter("sql.v1", adapters["b"])
+    assert set(engine.lora_adapters) == {"a", "default"} and len(policy.model.peft_config) == 3
+    assert run(engine) == before and run(engine, "a") == before_a
+    assert_runs(adapter_oracle(text_path, adapters["b"]), run(engine, "default"))
+    engine.unload_lora_adapter("default")
+    engine.load_lora_adapter("sql.v1", adapters["b"])
+    assert_runs(adapter_oracle(text_path, adapters["b"]), run(engine, "sql.v1"))
+    kept = dict(state[0])
+    assert [(n, g) for n, g in trainer_state(policy)[0] if n in kept] == state[0]
+    modes = dict(state[1])
+    assert [(n, t) for n, t in trainer_state(policy)[1] if n in modes] == state[1]
+    assert not any(t for n, t in trainer_state(policy)[1] if n not in modes)  # no dropout sampling in eval
+    engine.shutdown()
+
+
+def test_trainer_state_survives_load_and_unload(text_path, adapters):
+    """Loading and unloading adapters beside a policy in training mode changes none of its requires_grad, its
+    modes, or its forward."""
+    policy = lora_policy(text_path, seed=0)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    policy.training()
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        ref = policy.model(input_ids=ids).logits
+    state = trainer_state(policy)
+    assert any(g for _, g in state[0]) and all(t for _, t in state[1])
+    engine.load_lora_adapter("a", adapters["a"])
+    kept = dict(state[0])
+    assert [(n, g) for n, g in trainer_state(policy)[0] if n in kept] == state[0]
+    assert not any(g for n, g in trainer_state(policy)[0] if n not in kept)  # the served adapter: frozen
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids).logits, ref)
+    policy.inference()
+    assert_runs(adapter_oracle(text_path, adapters["a"]), run(engine, "a"))
+    policy.training()
+    engine.unload_lora_adapter("a")
+    assert trainer_state(policy) == state
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids).logits, ref)
+    engine.shutdown()
+
+
+def test_unload_last_then_load_again_and_reload_in_place(text_path, adapters):
+    """A model with no adapter of its own (a server started without --lora): the first load wraps it in PEFT,
+    unloading the last gives the plain model back, and both a later load and an in-place reload work."""
+    from peft import PeftModel
+
+    plain = adapter_oracle(text_path)
+    policy = adapter_oracle(text_path)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    base = run(engine)
+    assert_runs(plain, base)
+    oracle_a, oracle_b = adapter_oracle(text_path, adapters["a"]), adapter_oracle(text_path, adapters["b"])
+    for _ in range(2):
+        engine.load_lora_adapter("a", adapters["a"])
+        assert isinstance(policy.model, PeftModel) and policy.serving_wrapper
+        assert_runs(oracle_a, run(engine, "a"))
+        assert run(engine) == base  # unnamed requests (and the trainer) still see the plain model
+        with torch.no_grad():
+            assert torch.equal(policy.model(input_ids=torch.tensor([PROMPTS[0]])).logits,
+                               plain.model(input_ids=torch.tensor([PROMPTS[0]])).logits)
+        engine.unload_lora_adapter("a")
+        assert not isinstance(policy.model, PeftModel) and not hasattr(policy.model, "peft_config")
+        assert run(engine) == base
+    engine.load_lora_adapter("a", adapters["a"])
+    engine.load_lora_adapter("a", adapters["b"], load_inplace=True)  # the lone adapter, replaced
+    assert engine.lora_adapters == {"a": adapters["b"]}
+    assert_runs(oracle_b, run(engine, "a"))
+    engine.load_lora_adapter("b", adapters["b"])
+    engine.load_lora_adapter("a", adapters["a"], load_inplace=True)  # one of two, replaced
+    assert_runs(oracle_a, run(engine, "a"))
+    assert_runs(oracle_b, run(engine, "b"))
+    assert run(engine) == base
+    engine.shutdown()
