@@ -42,6 +42,21 @@ def run(engine, lora=None) -> list[tuple]:
     return [(tuple(o.output_ids), tuple(o.output_logprobs)) for o in outs]
 
 
+def run_mixed(engine, names: list) -> dict:
+    """Every prompt under every name in ``names`` (None: unnamed) in one batch: {name: run(engine, name)}."""
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    engine.pause("keep", holder="test")
+    futs = [(n, engine.submit(GenerationRequest(input_ids=p, lora_name=n, sampling=sp))) for n in names
+            for p in PROMPTS]
+    engine.resume(holder="test")
+    got: dict = {}
+    for n, f in futs:
+        o = f.result(timeout=120)[0]
+        assert o.error is None, o.error
+        got.setdefault(n, []).append((tuple(o.output_ids), tuple(o.output_logprobs)))
+    return got
+
+
 def assert_runs(oracle, got: list[tuple]) -> None:
     """Each greedy token is the oracle's argmax and each logprob its value (a teacher-forced forward)."""
     for prompt, (ids, lps) in zip(PROMPTS, got):
@@ -144,8 +159,120 @@ def test_unload_last_then_load_again_and_reload_in_place(text_path, adapters):
     assert engine.lora_adapters == {"a": adapters["b"]}
     assert_runs(oracle_b, run(engine, "a"))
     engine.load_lora_adapter("b", adapters["b"])
-    engine.load_lora_adapter("a", adapters["a"], load_inplace=True)  # one of two, replaced
-    assert_runs(oracle_a, run(engine, "a"))
-    assert_runs(oracle_b, run(engine, "b"))
+    done = engine.stats()["decode_tokens"]
+    engine.pause("keep", holder="test")  # a request of "a" in flight across its replacement continues
+    fut = engine.submit(GenerationRequest(input_ids=PROMPTS[0], lora_name="a", sampling=SamplingParams(
+        max_new_tokens=40, temperature=0, ignore_eos=True)))
+    engine.resume(holder="test")
+    while engine.stats()["decode_tokens"] < done + 3:
+        pass
+    engine.pause("keep", holder="test")
+    engine.load_lora_adapter("a", adapters["a"], load_inplace=True)  # one of two, replaced ("a" held b's)
+    engine.resume(holder="test")
+    out = fut.result(timeout=120)[0]
+    assert out.error is None and out.finish_reason == "length" and len(out.output_ids) == 40
+    # Tokens 0..k-1 came from the old weights (b's), the rest from the new (a's), each exact under its own.
+    lp_b, logits_b = teacher_forced(oracle_b, PROMPTS[0], out.output_ids)
+    lp_a, logits_a = teacher_forced(oracle_a, PROMPTS[0], out.output_ids)
+    got = torch.tensor(out.output_logprobs)
+    k = next(i for i in range(40) if abs(got[i] - lp_b[i]) > 1e-5)
+    assert 3 < k and logits_b[:k].argmax(-1).tolist() == out.output_ids[:k]
+    assert logits_a[k:].argmax(-1).tolist() == out.output_ids[k:] and (got[k:] - lp_a[k:]).abs().max() <= 1e-5
+    mixed = run_mixed(engine, ["a", None, "b"])  # decode steps mixing both adapters and the plain model
+    assert_runs(oracle_a, mixed["a"])
+    assert_runs(oracle_b, mixed["b"])
+    assert_runs(plain, mixed[None])
     assert run(engine) == base
     engine.shutdown()
+
+
+# ====================================================================== over HTTP, on the real server
+def _completion(base: str, model: str):
+    import httpx
+
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def test_server_lifecycle_as_vllm(text_path, adapters, tmp_path):
+    """A server started with no adapter (as TRL's and AReaL's docs start vLLM): each bad adapter is refused with
+    vLLM's status and the reason while the base model and a loaded adapter keep answering exactly as before;
+    unload-last then load works, and an in-place reload of the lone adapter keeps it loaded with the new weights."""
+    httpx = pytest.importorskip("httpx")
+    from _reliability_helpers import ServerProcess
+
+    def post(path, **body):
+        return httpx.post(srv.base + path, json=body, timeout=120)
+
+    with ServerProcess(text_path, tmp_path, "--served-model-name", "base", "--max-model-len", "256",
+                       "--kv-cache-memory-bytes", "8MiB", "--enable-runtime-lora", "--max-lora-rank", "8") as srv:
+        base = _completion(srv.base, "base")
+        assert post("/v1/load_lora_adapter", lora_name="a", lora_path=adapters["a"]).status_code == 200
+        with_a = _completion(srv.base, "a")
+        assert with_a[0] != base[0]
+        ref, logits = teacher_forced(adapter_oracle(text_path, adapters["a"]), PROMPTS[1], with_a[0])
+        assert logits.argmax(-1).tolist() == with_a[0] and (torch.tensor(with_a[1]) - ref).abs().max() <= 1e-4
+        bad = dict(adapters["bad"], rank=(adapters["r16"], 400, "greater than max_lora_rank 8"))
+        for kind, (path, status, phrase) in bad.items():
+            r = post("/v1/load_lora_adapter", lora_name=kind, lora_path=path)
+            assert r.status_code == status, (kind, r.text)
+            err = r.json()["error"]
+            assert phrase in err["message"] and err["param"] == "lora_path", (kind, err)
+            assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+            assert _completion(srv.base, "base") == base and _completion(srv.base, "a") == with_a, kind
+        models = {m["id"] for m in httpx.get(srv.base + "/v1/models").json()["data"]}
+        assert models == {"base", "a"}
+
+        assert post("/v1/unload_lora_adapter", lora_name="a").status_code == 200  # the last one
+        assert _completion(srv.base, "base") == base
+        r = post("/v1/load_lora_adapter", lora_name="a", lora_path=adapters["a"])
+        assert r.status_code == 200, r.text  # was 500: 'Qwen2ForCausalLM' object has no attribute 'active_adapter'
+        assert _completion(srv.base, "a") == with_a
+        r = post("/v1/load_lora_adapter", lora_name="a", lora_path=adapters["b"], load_inplace=True)
+        assert r.status_code == 200, r.text
+        cards = {m["id"]: m for m in httpx.get(srv.base + "/v1/models").json()["data"]}
+        assert cards["a"]["root"] == adapters["b"]
+        assert post("/v1/load_lora_adapter", lora_name="b", lora_path=adapters["b"]).status_code == 200
+        assert _completion(srv.base, "a") == _completion(srv.base, "b") != with_a
+        assert _completion(srv.base, "base") == base
+        assert srv.alive()
+
+
+def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, monkeypatch):
+    """As vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: the routes answer 404 (saying how to switch them on);
+    ``--enable-runtime-lora`` / the environment variable turn them on. Adapters given at start load either way."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from unsloth_rollout.serve import create_app
+    from unsloth_rollout.serve.cli import add_serve_arguments, build_app
+
+    policy = adapter_oracle(text_path)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    body = {"lora_name": "a", "lora_path": adapters["a"]}
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    with TestClient(create_app(engine)) as client:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            r = client.post(path, json=body)
+            assert r.status_code == 404 and "--enable-runtime-lora" in r.json()["error"]["message"]
+    assert engine.lora_adapters == {}
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with TestClient(create_app(engine)) as client:
+        assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+    with TestClient(create_app(engine, enable_runtime_lora=False)) as client:
+        assert client.post("/v1/load_lora_adapter", json=body).status_code == 404
+    engine.shutdown()
+
+    import argparse
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        [text_path, "--model-backend", "transformers", "--kv-cache-memory-bytes", "8MiB", "--lora", f"a={adapters['a']}"])
+    with TestClient(build_app(args)) as client:
+        assert {m["id"] for m in client.get("/v1/models").json()["data"]} >= {"a"}
+        assert client.post("/v1/load_lora_adapter", json={**body, "lora_name": "b"}).status_code == 404

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import warnings
 
 import torch
 
@@ -340,7 +341,8 @@ def unload_adapter(policy, name: str) -> None:
             policy.model = _strip_peft(base)
             policy.serving_wrapper = False
             return
-        with _preserved(model):
+        with _preserved(model), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*was active which is now deleted")  # rests disabled anyway
             model.delete_adapter(inner)
 
 
