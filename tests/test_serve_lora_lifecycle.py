@@ -276,3 +276,38 @@ def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, mon
     with TestClient(build_app(args)) as client:
         assert {m["id"] for m in client.get("/v1/models").json()["data"]} >= {"a"}
         assert client.post("/v1/load_lora_adapter", json={**body, "lora_name": "b"}).status_code == 404
+
+
+class _Bypass(torch.nn.Module):
+    """What a fused kernel does (Unsloth's MLP / QKV on GPU): the LoRA layer's weights without its forward hooks."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, *args, **kwargs):
+        return self.inner.forward(x)
+
+
+def test_mixed_adapters_refused_where_a_kernel_bypasses_the_lora_layer(text_path, adapters):
+    """PEFT's mixed batch is applied in each LoRA layer's forward; a backend that reads the weights another way
+    would run one adapter for every row. The step fails by name instead; one adapter per forward still works."""
+    policy = lora_policy(text_path, seed=0)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    engine.load_lora_adapter("a", adapters["a"])
+    attn = next(m for n, m in policy.model.named_modules() if n.endswith("layers.0.self_attn"))
+    alone = run(engine, "a")
+    attn.q_proj = _Bypass(attn.q_proj)
+    try:
+        assert run(engine, "a") == alone
+        sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+        engine.pause("keep", holder="test")  # both in the first step: its decode mixes "a" and the policy's
+        futs = [engine.submit(GenerationRequest(input_ids=PROMPTS[0], lora_name="a", sampling=sp)),
+                engine.submit(GenerationRequest(input_ids=PROMPTS[1], sampling=sp))]
+        engine.resume(holder="test")
+        outs = [f.result(timeout=120)[0] for f in futs]
+        assert all(o.error is not None and "cannot mix adapters" in o.error for o in outs), [o.error for o in outs]
+    finally:
+        attn.q_proj = attn.q_proj.inner
+    assert run(engine, "a") == alone
+    engine.shutdown()

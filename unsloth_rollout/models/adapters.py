@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from ..engine.config import InvalidRequestError
+from .loader import _VISION_MARKERS  # vision-tower path parts: a decode step does not run them
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -104,9 +105,10 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
                 else:  # this layer holds no weights of the adapter: the base layer alone
                     m._disable_adapters = True
         else:
-            rows = list(names)
+            rows, called = list(names), set()
 
             def inject(module, args, kwargs):
+                called.add(id(module))
                 x = args[0] if args else next(iter(kwargs.values()), None)
                 if not isinstance(x, torch.Tensor) or x.shape[0] != len(rows):
                     raise RuntimeError(f"a forward mixing adapters reached a layer whose inputs are not one per row "
@@ -119,6 +121,14 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
                 m._disable_adapters = False
                 hooks.append(m.register_forward_pre_hook(inject, with_kwargs=True))
         yield
+        if hooks:  # a fused kernel that read a layer's weights without its forward ran one adapter for all rows
+            wanted, ours = set(rows) - {BASE}, {id(m) for m in layers}
+            skipped = [n for n, m in model.named_modules() if id(m) in ours and id(m) not in called
+                       and ".layers." in n and not set(_VISION_MARKERS) & set(n.split("."))
+                       and wanted & m._get_available_adapters()]
+            if skipped:
+                raise RuntimeError(f"a forward mixing adapters bypassed {len(skipped)} LoRA layer(s) (e.g. "
+                                   f"{skipped[0]!r}): this backend cannot mix adapters in one batch")
     finally:
         for h in hooks:
             h.remove()
