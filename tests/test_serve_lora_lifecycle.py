@@ -311,3 +311,21 @@ def test_mixed_adapters_refused_where_a_kernel_bypasses_the_lora_layer(text_path
         attn.q_proj = attn.q_proj.inner
     assert run(engine, "a") == alone
     engine.shutdown()
+
+
+def test_served_adapter_beside_a_policy_with_modules_to_save(text_path, adapters):
+    """The policy's own adapter trains a full copy of lm_head (modules_to_save): rows under a served adapter use the
+    base lm_head, alone and mixed with the policy's rows in one decode step."""
+    policy = lora_policy(text_path, seed=0, modules_to_save=["lm_head"])
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    engine.load_lora_adapter("a", adapters["a"])
+    oracle_a = adapter_oracle(text_path, adapters["a"])
+    assert_runs(oracle_a, run(engine, "a"))
+    mixed = run_mixed(engine, ["a", None])
+    assert_runs(oracle_a, mixed["a"])
+    assert_runs(policy, mixed[None])
+    engine.shutdown()

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -107,19 +108,21 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
         else:
             rows, called = list(names), set()
 
-            def inject(module, args, kwargs):
+            def inject(module, args, kwargs, own):
                 called.add(id(module))
                 x = args[0] if args else next(iter(kwargs.values()), None)
-                if not isinstance(x, torch.Tensor) or x.shape[0] != len(rows):
+                if not isinstance(x, torch.Tensor) or x.shape[0] != len(own):
                     raise RuntimeError(f"a forward mixing adapters reached a layer whose inputs are not one per row "
                                        f"({type(module).__name__}, first dimension "
-                                       f"{getattr(x, 'shape', [None])[0]} for {len(rows)} rows)")
-                kwargs["adapter_names"] = rows
+                                       f"{getattr(x, 'shape', [None])[0]} for {len(own)} rows)")
+                kwargs["adapter_names"] = own
                 return args, kwargs
 
             for m in layers:
                 m._disable_adapters = False
-                hooks.append(m.register_forward_pre_hook(inject, with_kwargs=True))
+                have = m._get_available_adapters()  # a row whose adapter skips this layer: its base (modules_to_save)
+                own = [n if n in have else BASE for n in rows]
+                hooks.append(m.register_forward_pre_hook(functools.partial(inject, own=own), with_kwargs=True))
         yield
         if hooks:  # a fused kernel that read a layer's weights without its forward ran one adapter for all rows
             wanted, ours = set(rows) - {BASE}, {id(m) for m in layers}
