@@ -272,7 +272,8 @@ def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, mon
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
-        [text_path, "--model-backend", "transformers", "--kv-cache-memory-bytes", "8MiB", "--lora", f"a={adapters['a']}"])
+        [text_path, "--model-backend", "transformers", "--kv-cache-memory-bytes", "8MiB",
+         "--lora", f"a={adapters['a']}"])
     with TestClient(build_app(args)) as client:
         assert {m["id"] for m in client.get("/v1/models").json()["data"]} >= {"a"}
         assert client.post("/v1/load_lora_adapter", json={**body, "lora_name": "b"}).status_code == 404

@@ -179,7 +179,7 @@ class ModelRunner:
             return None
         if default is None:
             default = getattr(self.policy.model, "active_adapter", "__base__")
-        served = self.policy.served_adapters  # a name unloaded meanwhile: one PEFT lacks, which adapter_scope refuses
+        served = getattr(self.policy, "served_adapters", {})  # a name unloaded meanwhile maps to one PEFT lacks
         return [default if n is None else served.get(n, f"<unloaded {n}>") for n in names]
 
     def _prompt_inputs(self, ids: list[int], prompt):

@@ -40,8 +40,8 @@ logger = logging.getLogger("unsloth_rollout")
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 _CONFIG = "adapter_config.json"
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-# adapter_config.json settings the engine cannot serve exactly on a model shared with a trainer (vLLM refuses the
-# first three too): each changes the base model itself or needs a forward PEFT's mixed batch does not run.
+# adapter_config.json settings refused (vLLM refuses DoRA, modules_to_save and trained biases too): each changes the
+# base model shared with the trainer, or is a LoRA variant whose mixed-batch forward no test here proves exact.
 _REFUSED = {
     "use_dora": "DoRA adapters (use_dora) are not supported",
     "modules_to_save": "adapters with modules_to_save (fully trained copies of base modules) are not supported",
@@ -182,8 +182,8 @@ def read_adapter(policy, path: str, max_rank: int) -> tuple:
         if raw.get(key):
             raise InvalidRequestError("lora_path", f"{why}: {path!r} sets {key}={raw[key]!r}")
     if raw.get("bias", "none") != "none":
-        raise InvalidRequestError("lora_path", f"adapters that train the base model's biases (bias="
-                                               f"{raw['bias']!r}) are not supported: they would change the shared model")
+        raise InvalidRequestError("lora_path", f"adapters that train the base model's biases (bias={raw['bias']!r}) "
+                                               f"are not supported: they would change the shared model")
     ranks = [raw.get("r", 8)] + list((raw.get("rank_pattern") or {}).values())
     for r in ranks:
         if not isinstance(r, int) or r < 1:
@@ -214,7 +214,8 @@ def _read_weights(path: str) -> dict:
             else:
                 tensors = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise InvalidRequestError("lora_path", f"cannot read {fname} in {path!r}: {type(e).__name__}: {e}") from None
+            raise InvalidRequestError("lora_path", f"cannot read {fname} in {path!r}: {type(e).__name__}: {e}") \
+                from None
         if not isinstance(tensors, dict) or not tensors:
             raise InvalidRequestError("lora_path", f"{fname} in {path!r} holds no tensors")
         return tensors
