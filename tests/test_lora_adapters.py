@@ -66,6 +66,9 @@ def test_named_vision_lora_adapter_exact_in_mixed_packs(family, tmp_path):
     outs = one_step(engine, [GenerationRequest(messages=messages(i, len(im)), images=im or None, lora_name=name,
                                                sampling=sp) for name, i, im in rows])
     stats, suppress = engine.stats(), engine.sampler.suppress_ids
+    rows.append(("a1", 6, imgs[2:4]))  # and alone in its step
+    outs += one_step(engine, [GenerationRequest(messages=messages(6, 2), images=imgs[2:4], lora_name="a1",
+                                                sampling=sp)])
     engine.shutdown()
     assert stats["errors"] == 0, [o.error for o in outs]
     # One packed forward per adapter: a pack that raised would have been retried prompt by prompt (more forwards).

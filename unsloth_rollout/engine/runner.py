@@ -174,9 +174,9 @@ class ModelRunner:
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
         """Per-row adapter names, or None when every row uses the model's active adapter (the policy's own)."""
-        default = served_adapters.unnamed_adapter(self.policy)
-        if all(n is None for n in names) and default is None:
+        if all(n is None for n in names):  # the model at rest: its own adapter, or the plain model (serving_wrapper)
             return None
+        default = served_adapters.unnamed_adapter(self.policy)
         if default is None:
             default = getattr(self.policy.model, "active_adapter", "__base__")
         served = getattr(self.policy, "served_adapters", {})  # a name unloaded meanwhile maps to one PEFT lacks
