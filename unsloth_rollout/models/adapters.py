@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import warnings
+import weakref
 
 import torch
 
@@ -76,6 +77,20 @@ def tuner_layers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
+# model -> (its adapters, [(layer, adapters the layer holds)]): a forward must not walk every module (a 3B model
+# has thousands); rebuilt when the model's adapter set changes and by every load / unload here.
+_INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _indexed(model: torch.nn.Module) -> list[tuple]:
+    key = tuple(sorted(getattr(model, "peft_config", {}) or {}))
+    hit = _INDEX.get(model)
+    if hit is None or hit[0] != key:
+        hit = (key, [(m, frozenset(m._get_available_adapters())) for m in tuner_layers(model)])
+        _INDEX[model] = hit
+    return hit[1]
+
+
 # ============================================================================ one forward
 @contextlib.contextmanager
 def adapter_scope(model: torch.nn.Module, names: list[str] | None):
@@ -88,23 +103,25 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
     if names is None:
         yield
         return
-    layers = tuner_layers(model)
+    index = _indexed(model)
+    layers = [m for m, _ in index]
     if any(getattr(m, "merged", False) for m in layers):
         raise RuntimeError("adapters selected by name cannot run on a model whose LoRA weights are merged")
-    held = set().union(*(m._get_available_adapters() for m in layers)) if layers else set()
+    held = set().union(*(have for _, have in index))
     unknown = sorted(set(names) - held - {BASE})
     if unknown:  # never run a request under the base model because its adapter is gone
         raise RuntimeError(f"adapter(s) {', '.join(map(repr, unknown))} not loaded in the model")
-    saved = [(m, m._active_adapter, m._disable_adapters) for m in layers]
+    # Plain attributes, written in __dict__: nn.Module.__setattr__ costs microseconds per layer per forward.
+    saved = [(m.__dict__, m._active_adapter, m._disable_adapters) for m in layers]
     hooks = []
     try:
         if len(set(names)) == 1:
             name = names[0]
-            for m in layers:
-                if name != BASE and name in m._get_available_adapters():
-                    m._active_adapter, m._disable_adapters = [name], False
+            for m, have in index:
+                if name != BASE and name in have:
+                    m.__dict__["_active_adapter"], m.__dict__["_disable_adapters"] = [name], False
                 else:  # this layer holds no weights of the adapter: the base layer alone
-                    m._disable_adapters = True
+                    m.__dict__["_disable_adapters"] = True
         else:
             rows, called = list(names), set()
 
@@ -118,25 +135,24 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
                 kwargs["adapter_names"] = own
                 return args, kwargs
 
-            for m in layers:
-                m._disable_adapters = False
-                have = m._get_available_adapters()  # a row whose adapter skips this layer: its base (modules_to_save)
-                own = [n if n in have else BASE for n in rows]
+            for m, have in index:
+                m.__dict__["_disable_adapters"] = False
+                own = [n if n in have else BASE for n in rows]  # its adapter skips this layer: the base (e.g. lm_head)
                 hooks.append(m.register_forward_pre_hook(functools.partial(inject, own=own), with_kwargs=True))
         yield
         if hooks:  # a fused kernel that read a layer's weights without its forward ran one adapter for all rows
-            wanted, ours = set(rows) - {BASE}, {id(m) for m in layers}
-            skipped = [n for n, m in model.named_modules() if id(m) in ours and id(m) not in called
-                       and ".layers." in n and not set(_VISION_MARKERS) & set(n.split("."))
-                       and wanted & m._get_available_adapters()]
+            wanted = set(rows) - {BASE}
+            missed = {id(m) for m, have in index if id(m) not in called and wanted & have}
+            skipped = [n for n, m in model.named_modules() if id(m) in missed  # walked only when some were missed
+                       and ".layers." in n and not set(_VISION_MARKERS) & set(n.split("."))] if missed else []
             if skipped:
                 raise RuntimeError(f"a forward mixing adapters bypassed {len(skipped)} LoRA layer(s) (e.g. "
                                    f"{skipped[0]!r}): this backend cannot mix adapters in one batch")
     finally:
         for h in hooks:
             h.remove()
-        for m, active, disabled in saved:
-            m._active_adapter, m._disable_adapters = active, disabled
+        for d, active, disabled in saved:
+            d["_active_adapter"], d["_disable_adapters"] = active, disabled
 
 
 @contextlib.contextmanager
@@ -321,6 +337,7 @@ def load_adapter(policy, name: str, path: str, max_rank: int) -> None:
             if id(m) not in old_modules:  # PEFT builds them in training mode: a dropout would sample
                 m.training = model.training
         policy.served_adapters[name] = inner
+        _INDEX.pop(policy.model, None)
 
 
 def _undo_load(model, new, name: str) -> None:
@@ -349,6 +366,7 @@ def unload_adapter(policy, name: str) -> None:
     model = policy.model
     with policy.lock:
         inner = policy.served_adapters.pop(name)
+        _INDEX.pop(model, None)
         if policy.serving_wrapper and set(model.peft_config) == {inner}:
             with _preserved(model):
                 base = model.unload()
