@@ -83,10 +83,14 @@ _INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _indexed(model: torch.nn.Module) -> list[tuple]:
+    """[(layer, the adapters it holds, whether every decode step runs it: a decoder layer's, not the vision's)]."""
     key = tuple(sorted(getattr(model, "peft_config", {}) or {}))
     hit = _INDEX.get(model)
     if hit is None or hit[0] != key:
-        hit = (key, [(m, frozenset(m._get_available_adapters())) for m in tuner_layers(model)])
+        ours = {id(m) for m in tuner_layers(model)}
+        hit = (key, [(m, frozenset(m._get_available_adapters()),
+                      ".layers." in n and not set(_VISION_MARKERS) & set(n.split(".")))
+                     for n, m in model.named_modules() if id(m) in ours])
         _INDEX[model] = hit
     return hit[1]
 
@@ -104,10 +108,10 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
         yield
         return
     index = _indexed(model)
-    layers = [m for m, _ in index]
+    layers = [m for m, _, _ in index]
     if any(getattr(m, "merged", False) for m in layers):
         raise RuntimeError("adapters selected by name cannot run on a model whose LoRA weights are merged")
-    held = set().union(*(have for _, have in index))
+    held = set().union(*(have for _, have, _ in index))
     unknown = sorted(set(names) - held - {BASE})
     if unknown:  # never run a request under the base model because its adapter is gone
         raise RuntimeError(f"adapter(s) {', '.join(map(repr, unknown))} not loaded in the model")
@@ -117,7 +121,7 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
     try:
         if len(set(names)) == 1:
             name = names[0]
-            for m, have in index:
+            for m, have, _ in index:
                 if name != BASE and name in have:
                     m.__dict__["_active_adapter"], m.__dict__["_disable_adapters"] = [name], False
                 else:  # this layer holds no weights of the adapter: the base layer alone
@@ -135,19 +139,17 @@ def adapter_scope(model: torch.nn.Module, names: list[str] | None):
                 kwargs["adapter_names"] = own
                 return args, kwargs
 
-            for m, have in index:
+            for m, have, _ in index:
                 m.__dict__["_disable_adapters"] = False
                 own = [n if n in have else BASE for n in rows]  # its adapter skips this layer: the base (e.g. lm_head)
                 hooks.append(m.register_forward_pre_hook(functools.partial(inject, own=own), with_kwargs=True))
         yield
         if hooks:  # a fused kernel that read a layer's weights without its forward ran one adapter for all rows
             wanted = set(rows) - {BASE}
-            missed = {id(m) for m, have in index if id(m) not in called and wanted & have}
-            skipped = [n for n, m in model.named_modules() if id(m) in missed  # walked only when some were missed
-                       and ".layers." in n and not set(_VISION_MARKERS) & set(n.split("."))] if missed else []
+            skipped = [m for m, have, decoder in index if decoder and id(m) not in called and wanted & have]
             if skipped:
-                raise RuntimeError(f"a forward mixing adapters bypassed {len(skipped)} LoRA layer(s) (e.g. "
-                                   f"{skipped[0]!r}): this backend cannot mix adapters in one batch")
+                raise RuntimeError(f"a forward mixing adapters bypassed {len(skipped)} decoder LoRA layer(s) (e.g. "
+                                   f"a {type(skipped[0]).__name__}): this backend cannot mix adapters in one batch")
     finally:
         for h in hooks:
             h.remove()
