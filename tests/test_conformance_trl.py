@@ -33,7 +33,7 @@ def model_dir():
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("trl_server") / "server.log"
     with serve_subprocess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                          "--max-loras", "4", "--max-lora-rank", "64", log_path=log) as base:
+                          "--max-loras", "4", "--max-lora-rank", "64", "--enable-runtime-lora", log_path=log) as base:
         yield base
 
 

@@ -111,7 +111,8 @@ def adapter(model_dir, workdir):
 @pytest.fixture(scope="module")
 def server(model_dir, workdir):
     with ServerProcess(model_dir, workdir, "--served-model-name", NAME, "--max-model-len", "256",
-                       "--kv-cache-memory-bytes", "1MiB", "--max-num-seqs", "64", prelude=PRELUDE) as srv:
+                       "--kv-cache-memory-bytes", "1MiB", "--max-num-seqs", "64", "--enable-runtime-lora",
+                       prelude=PRELUDE) as srv:
         yield srv
 
 

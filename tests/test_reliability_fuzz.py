@@ -57,7 +57,7 @@ def server(media_dir, tmp_path_factory):
     with ServerProcess(model_dir, tmp_path_factory.mktemp("fuzz"), "--served-model-name", NAME,
                        "--max-model-len", str(MAX_MODEL_LEN), "--max-n", "4", "--max-images-per-request", "2",
                        "--max-image-pixels", "65536", "--max-body-mb", "1", "--kv-cache-memory-bytes", "8MiB",
-                       "--allowed-local-media-path", str(media_dir)) as srv:
+                       "--allowed-local-media-path", str(media_dir), "--enable-runtime-lora") as srv:
         yield srv
 
 

@@ -65,7 +65,7 @@ def server(model_dir, media_dir, workdir):
         [sys.executable, "-m", "unsloth_rollout.serve", model_dir, "--port", str(port), "--model-backend", "transformers",
          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME, "--max-images-per-request", "2",
          "--max-n", "8", "--max-image-pixels", "10000", "--allowed-local-media-path", str(media_dir),
-         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning"],
+         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning", "--enable-runtime-lora"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -491,12 +491,13 @@ def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, eng
             "return_token_ids": True}
     base_out = httpx.post(server + "/v1/completions", json={**body, "model": NAME}, timeout=60).json()
 
-    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": str(path)})
+    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": str(path)},
+                   timeout=60)
     assert r.status_code == 200, r.text
     cards = {m.id: m for m in client.models.list().data}
     assert cards["sql-lora"].parent == NAME and cards["sql-lora"].root == str(path)
-    assert httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": str(path)}
-                      ).status_code == 400  # already loaded
+    assert httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": str(path)},
+                      timeout=60).status_code == 400  # already loaded
 
     lora_out = httpx.post(server + "/v1/completions", json={**body, "model": "sql-lora"}, timeout=60).json()
     lora_ids = lora_out["choices"][0]["token_ids"]
@@ -510,7 +511,7 @@ def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, eng
     got = lora_out["choices"][0]["logprobs"]["token_logprobs"]
     assert got == pytest.approx(lp[torch.arange(len(lora_ids)), lora_ids].tolist(), abs=LP_TOL)
 
-    r = httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"})
+    r = httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}, timeout=60)
     assert r.status_code == 200
     assert "sql-lora" not in {m.id for m in client.models.list().data}
     r = httpx.post(server + "/v1/completions", json={**body, "model": "sql-lora"}, timeout=60)

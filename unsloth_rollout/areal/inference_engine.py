@@ -463,7 +463,8 @@ class UnslothInferenceEngine(InferenceEngine):
         new_version = meta.version if meta.version is not None else version + 1
         name = get_versioned_lora_name(meta.lora_name or self.config.lora_name, new_version)
         engine = self.rollout_engine
-        engine.load_lora_adapter(name, meta.path)  # the weights are in memory from here on
+        # The weights are in memory from here on; an update re-sent for the same version replaces them.
+        engine.load_lora_adapter(name, meta.path, load_inplace=True)
         if meta.clear_checkpoint_after_load:
             shutil.rmtree(meta.path, ignore_errors=True)
         keep = getattr(meta, "lora_keep_versions", 0)

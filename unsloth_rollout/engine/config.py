@@ -200,6 +200,10 @@ class EngineConfig:
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
             gather path instead: same tokens, memory bounded, never a preemption. ``stats()``:
             ``decode_workspace_bytes`` (held now), ``decode_workspace_peak_bytes``, ``decode_workspace_fallbacks``.
+        max_lora_rank: adapters loaded by name (``load_lora_adapter``) with a higher LoRA rank are refused, as
+            vLLM's ``--max-lora-rank`` refuses them (vLLM's default is 16, sized for its kernels' buffers; here a
+            rank costs only its memory, so the default is 256). The policy's own adapter is not bound by it.
+        max_loras: most adapters loaded by name at once (None: no limit); a load beyond it is refused.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -216,6 +220,8 @@ class EngineConfig:
     compile_mode: str | None = None
     decode_backend: str = "workspace"
     decode_workspace_bytes: int | None = None
+    max_lora_rank: int = 256
+    max_loras: int | None = None
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
@@ -237,3 +243,7 @@ class EngineConfig:
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
                f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
+        _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",
+               f"must be an integer >= 1, got {self.max_lora_rank!r}")
+        _check(self.max_loras is None or (_is_int(self.max_loras) and self.max_loras >= 1), "max_loras",
+               f"must be an integer >= 1 or None, got {self.max_loras!r}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable
@@ -241,53 +240,62 @@ class RolloutEngine:
         self.resume(holder="offload")
 
     # ================================================================== LoRA adapters served by name
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter folder that requests select with ``lora_name=name``.
+    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load a PEFT adapter folder that requests select with ``lora_name=name`` (models/adapters.py).
 
-        The policy's own (trained) adapter stays active for requests without a lora_name.
+        Refused before anything changes, with InvalidRequestError naming the reason (``AdapterNotFoundError``
+        when there is no adapter at ``path``): DoRA, ``modules_to_save``, a rank above ``config.max_lora_rank``,
+        modules or shapes the model lacks (another base model), unreadable weights, more than
+        ``config.max_loras`` adapters. The policy's own adapter stays active for requests without a lora_name.
+        ``load_inplace=True`` replaces a loaded adapter's weights: its requests in flight continue, recomputed
+        with the new weights (a refused replacement leaves the old one serving).
         """
-        if not name or name in ("__base__",):
-            raise InvalidRequestError("lora_name", f"invalid adapter name {name!r}")
-        if not os.path.isdir(path):
-            raise InvalidRequestError("lora_path", f"lora_path {path!r} is not a folder")
-        with self._step_lock, self.policy.lock:
-            model = self.policy.model
-            if not hasattr(model, "load_adapter") or not hasattr(model, "peft_config"):
-                from peft import PeftModel
+        from ..models import adapters
 
-                model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
-                self.policy.model = model
-                self.runner.base_default = True  # unnamed requests keep using the plain model
-                changed = None  # a new model object under everyone: recompute all (rare, and exact)
-            else:
-                active = model.active_adapter
-                try:
-                    model.load_adapter(path, adapter_name=name, is_trainable=False)
-                except Exception as e:
-                    raise InvalidRequestError("lora_path", f"cannot load adapter from {path!r}: {e}") from None
-                model.set_adapter(active)
-                changed = name
+        if not isinstance(name, str) or not name or name == adapters.BASE:
+            raise InvalidRequestError("lora_name", f"invalid adapter name {name!r}")
+        replace = name in self.lora_adapters
+        if replace and not load_inplace:
+            raise InvalidRequestError("lora_name", f"The lora adapter '{name}' has already been loaded.")
+        cap = self.config.max_loras
+        if not replace and cap is not None and len(self.lora_adapters) >= cap:
+            raise InvalidRequestError("lora_name", f"{len(self.lora_adapters)} adapters are loaded, max_loras is "
+                                                   f"{cap}: unload one first")
+        if replace:  # refuse a bad replacement before the old adapter goes
+            adapters.read_adapter(self.policy, path, self.config.max_lora_rank)
+        with self._step_lock, self.policy.lock:
+            before = self.policy.model
+            if replace:
+                adapters.unload_adapter(self.policy, name)
+            try:
+                adapters.load_adapter(self.policy, name, path, self.config.max_lora_rank)
+            except Exception:
+                if replace:  # the old weights are gone: its requests cannot continue
+                    self._drop_adapter_requests(name, "could not be reloaded")
+                    del self.lora_adapters[name]
+                raise
             self.lora_adapters[name] = path
+            changed = name if self.policy.model is before else None  # a new wrapper object: recompute all
         self.weights_changed(lora_name=changed)
 
     def unload_lora_adapter(self, name: str) -> None:
+        """Remove a loaded adapter; its requests in flight finish with finish_reason "abort"."""
+        from ..models import adapters
+
         if name not in self.lora_adapters:
             raise InvalidRequestError("lora_name", f"adapter {name!r} is not loaded")
         with self._step_lock, self.policy.lock:
-            for s in self.core.sequences():
-                if s.lora_name == name:
-                    self.core.finish(s, "abort", error=f"adapter {name!r} was unloaded")
-            if self.runner.base_default and set(self.lora_adapters) == {name}:
-                # The policy had no adapter of its own and this was the last served one: PEFT cannot run
-                # with zero adapters, so take the LoRA layers out and serve the plain model again.
-                self.policy.model = self.policy.model.unload()
-                self.runner.base_default = False
-                changed = None
-            else:
-                self.policy.model.delete_adapter(name)
-                changed = name
+            self._drop_adapter_requests(name, "was unloaded")
+            before = self.policy.model
+            adapters.unload_adapter(self.policy, name)
             del self.lora_adapters[name]
+            changed = name if self.policy.model is before else None
         self.weights_changed(lora_name=changed)
+
+    def _drop_adapter_requests(self, name: str, why: str) -> None:
+        for s in self.core.sequences():
+            if s.lora_name == name:
+                self.core.finish(s, "abort", error=f"adapter {name!r} {why}")
 
     def invalidate_prefix_cache(self) -> None:
         with self._step_lock:

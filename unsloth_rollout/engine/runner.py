@@ -14,6 +14,7 @@ import inspect
 import numpy as np
 import torch
 
+from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
 from ..models.families import check_supported
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .inputs import mm_token_type_ids
@@ -112,7 +113,6 @@ class ModelRunner:
         # Image tokens that attend bidirectionally within their image in prefill (Gemma 3's token_type_ids).
         self.model_type = getattr(cfg, "model_type", None)
         self.image_blocks = self.model_type in BIDIRECTIONAL_IMAGE_FAMILIES
-        self.base_default = False  # True when the only adapters are served ones: unnamed rows use the base
         check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
         register()
         # The decoder's config; its attention implementation is switched to the engine's during engine forwards,
@@ -159,18 +159,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
-        """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row."""
-        if adapters is not None:  # PEFT mixed-adapter batch: one adapter name per row ("__base__" = none)
-            mm["adapter_names"] = adapters
+        """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row.
+        ``adapters``: one adapter name per row ("__base__": none), selected by ``adapter_scope`` and put back after
+        the forward, also when it raises; None: the model's active adapter."""
         ctx.inner = self._inner
         cfg = self._text_config
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
         set_current(ctx)
         try:
-            out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                    use_cache=True, logits_to_keep=1 if keep is None else keep,
-                                    **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
+            with served_adapters.adapter_scope(self.policy.model, adapters):
+                out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                        use_cache=True, logits_to_keep=1 if keep is None else keep,
+                                        **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
         finally:
             cfg._attn_implementation_internal = saved
             set_current(None)
@@ -178,11 +179,14 @@ class ModelRunner:
         return out.logits[:, -1, :] if keep is None else out.logits[0]
 
     def adapter_names(self, names: list[str | None]) -> list[str] | None:
-        """Per-row PEFT adapter names, or None when every row uses the active adapter."""
-        if all(n is None for n in names) and not self.base_default:
+        """Per-row adapter names, or None when every row uses the model's active adapter (the policy's own)."""
+        if all(n is None for n in names):  # the model at rest: its own adapter, or the plain model (serving_wrapper)
             return None
-        active = "__base__" if self.base_default else getattr(self.policy.model, "active_adapter", "__base__")
-        return [active if n is None else n for n in names]
+        default = served_adapters.unnamed_adapter(self.policy)
+        if default is None:
+            default = getattr(self.policy.model, "active_adapter", "__base__")
+        served = getattr(self.policy, "served_adapters", {})  # a name unloaded meanwhile maps to one PEFT lacks
+        return [default if n is None else served.get(n, f"<unloaded {n}>") for n in names]
 
     def _prompt_inputs(self, ids: list[int], prompt):
         """(position_ids [1, L] or M-RoPE [3, 1, L], rope_delta, vision inputs) of one prompt."""

@@ -87,6 +87,11 @@ class PolicyModel:
     name_or_path: str | None = None
     # Serve a model family the engine has not verified (models/families.py); the cache-use guard still applies.
     allow_unverified_family: bool = False
+    # True when ``model`` is a PEFT wrapper made only to serve named adapters (models/adapters.py): the policy has
+    # no LoRA of its own, so unnamed requests and the trainer's forward run the plain model.
+    serving_wrapper: bool = False
+    # Adapters loaded to serve by name: request name -> the adapter's name inside PEFT (models/adapters.py).
+    served_adapters: dict = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod

@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import time
 
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..engine import EngineStopped, GenerationRequest, InvalidRequestError
 from ..engine.config import LOGPROBS_MODES
+from ..models.adapters import AdapterNotFoundError
 from . import completions as comp
 from .media import MediaPolicy
 from .metrics import metrics_text
@@ -57,8 +59,8 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
                allow_remote_images: bool = False, max_images_per_request: int = 16,
                max_image_pixels: int = 4096 * 4096, max_n: int = 64, max_body_bytes: int = 32 << 20,
                tool_call_parser: str = "auto", generation_config: str = "auto",
-               owns_engine: bool = False, logprobs_mode: str = "raw_logprobs", max_lora_rank: int = 256,
-               max_loras: int = 8, max_logprobs: int = 20) -> FastAPI:
+               owns_engine: bool = False, logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20,
+               enable_runtime_lora: bool | None = None) -> FastAPI:
     """Build the app; every request runs on ``engine`` (a RolloutEngine).
 
     Args:
@@ -75,8 +77,9 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         owns_engine: shut the engine down when the app stops.
         logprobs_mode: "raw_logprobs" (``log_softmax(logits / T)``, what a trainer recomputes; the default) or
             "processed_logprobs" (the distribution each token was drawn from, as vLLM's ``--logprobs-mode``).
-        max_lora_rank, max_loras: the ``lora_config`` /server_info reports (TRL sizes its adapter sync by them).
         max_logprobs: the largest ``prompt_logprobs`` a request may ask (vLLM's ``--max-logprobs``).
+        enable_runtime_lora: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (404 otherwise, as
+            vLLM without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); None: that environment variable decides.
 
     Example::
 
@@ -94,7 +97,8 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         media=MediaPolicy(allowed_local_media_path, allow_remote_images, max_images_per_request, max_image_pixels),
         max_n=max_n, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
         default_sampling=_default_sampling(policy) if generation_config == "auto" else {}, owns_engine=owns_engine,
-        logprobs_mode=logprobs_mode, max_lora_rank=max_lora_rank, max_loras=max_loras, max_logprobs=max_logprobs)
+        logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
+        enable_runtime_lora=runtime_lora_from_env() if enable_runtime_lora is None else bool(enable_runtime_lora))
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     state = ServerState(engine, options)
@@ -376,19 +380,21 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
-        """Load a PEFT adapter folder; requests select it with ``"model": lora_name``.
+        """Load a PEFT adapter folder; requests select it with ``"model": lora_name``. Off unless runtime LoRA
+        updating is enabled (``--enable-runtime-lora`` or ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, as in vLLM).
+        An adapter the engine cannot serve exactly is refused with 400 and the reason, a missing one with 404;
+        either way everything loaded before keeps serving. ``load_inplace`` replaces a loaded adapter's weights.
 
         Example body: ``{"lora_name": "policy-v3", "lora_path": "/ckpt/v3"}``
         """
+        _require_runtime_lora(state)
         name = req.lora_name
         if name in state.options.served_model_names:
             raise APIError(f"lora_name {name!r} is the served model's name", param="lora_name")
-        if name in engine.lora_adapters:
-            if not req.load_inplace:
-                raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-            await asyncio.to_thread(engine.unload_lora_adapter, name)
         try:
-            await asyncio.to_thread(engine.load_lora_adapter, name, req.lora_path)
+            await asyncio.to_thread(engine.load_lora_adapter, name, req.lora_path, bool(req.load_inplace))
+        except AdapterNotFoundError as e:
+            raise APIError(str(e), 404, param=e.field) from None
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.field) from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -396,10 +402,22 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         """Unload an adapter by name; its in-flight requests finish with finish_reason "abort"."""
+        _require_runtime_lora(state)
         if req.lora_name not in engine.lora_adapters:
             raise APIError(f"The lora adapter '{req.lora_name}' cannot be found.", 404, param="lora_name")
         await asyncio.to_thread(engine.unload_lora_adapter, req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def runtime_lora_from_env() -> bool:
+    """vLLM's switch for loading adapters over HTTP: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set to 1 / true."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def _require_runtime_lora(state: ServerState) -> None:
+    if not state.options.enable_runtime_lora:  # vLLM does not even register these routes then: 404
+        raise APIError("loading LoRA adapters at runtime is off: start the server with --enable-runtime-lora "
+                       "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", 404)
 
 
 # ====================================================================== health, metrics, RL control plane
@@ -556,7 +574,9 @@ def server_config(state: ServerState) -> dict:
         "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_prefill_tokens,
                              "max_model_len": engine.max_model_len, "enable_chunked_prefill": True},
         # Adapters are served by the engine itself (PEFT, any target module, vision tower included).
-        "lora_config": {"max_lora_rank": opts.max_lora_rank, "max_loras": opts.max_loras, "max_cpu_loras": None,
+        # The limits the engine enforces at load (EngineConfig); no max_loras: no limit, so any count a client checks.
+        "lora_config": {"max_lora_rank": cfg.max_lora_rank,
+                        "max_loras": cfg.max_loras if cfg.max_loras is not None else 2**31 - 1, "max_cpu_loras": None,
                         "fully_sharded_loras": False, "lora_dtype": "auto"},
         # None: no NCCL weight-transfer engine (TRL then refuses server-mode full-weight sync at start, by name).
         "weight_transfer_config": None,

@@ -28,6 +28,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--lora", "--lora-modules", dest="lora", nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="PEFT adapters to load at start; requests select them by NAME")
+    g.add_argument("--enable-runtime-lora", action="store_true", default=None,
+                   help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                   "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM)")
+    g.add_argument("--max-lora-rank", type=int, default=256,
+                   help="refuse adapters of a higher LoRA rank (/server_info's lora_config reports it)")
+    g.add_argument("--max-loras", type=int, default=None, help="most adapters loaded by name at once (default: no limit)")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
@@ -55,8 +61,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                    help="raw: log_softmax(logits / T), what a trainer recomputes; processed: the distribution each "
                    "token was drawn from (penalties, top-k/top-p/min-p, renormalised), as vLLM's")
-    g.add_argument("--max-lora-rank", type=int, default=256, help="lora_config.max_lora_rank /server_info reports")
-    g.add_argument("--max-loras", type=int, default=8, help="lora_config.max_loras /server_info reports")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest prompt_logprobs a request may ask")
     g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
     g.add_argument("--log-level", default="info")
@@ -85,7 +89,8 @@ def build_app(args: argparse.Namespace):
     config = EngineConfig(
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache)
+        max_model_len=args.max_model_len, prefix_cache=not args.no_prefix_cache, max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras)
     engine = RolloutEngine(policy, config, seed=args.seed)
     for name, path in loras:
         engine.load_lora_adapter(name, path)
@@ -95,8 +100,8 @@ def build_app(args: argparse.Namespace):
                       max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
                       max_n=args.max_n, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                       tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
-                      owns_engine=True, logprobs_mode=args.logprobs_mode, max_lora_rank=args.max_lora_rank,
-                      max_loras=args.max_loras, max_logprobs=args.max_logprobs)
+                      owns_engine=True, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
+                      enable_runtime_lora=args.enable_runtime_lora)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -33,10 +33,8 @@ class ServerOptions:
     owns_engine: bool = False  # shut the engine down with the app
     # "raw_logprobs" (the trainer's log_softmax(logits / T)) or "processed_logprobs" (vLLM's --logprobs-mode).
     logprobs_mode: str = "raw_logprobs"
-    # What /server_info reports as lora_config (TRL sizes its adapter sync by them); loads past them are refused.
     max_logprobs: int = 20  # largest prompt_logprobs (vLLM's --max-logprobs)
-    max_lora_rank: int = 256
-    max_loras: int = 8
+    enable_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's switch)
 
 
 class ClientDisconnected(Exception):
