@@ -120,6 +120,22 @@ def test_generate_takes_over_from_the_worker_and_hands_back(engine, qwen2_lora_p
     assert eventually(lambda: not engine_threads())
 
 
+def test_wait_for_steps_submitted_requests_on_the_waiting_thread(engine, qwen2_lora_policy):
+    """Futures from submit(): wait_for() drives their steps here; a resume while it waits starts no worker."""
+    engine.pause(holder="trainer")
+    futs = [engine.submit(r) for r in reqs(qwen2_lora_policy, tag="f")]
+    assert eventually(lambda: not engine_threads())
+    steps = StepThreads(engine.core)
+    threading.Timer(0.2, engine.resume, kwargs={"holder": "trainer"}).start()
+    engine.wait_for(futs, timeout=120)
+    assert [len(f.result()[0].output_ids) for f in futs] == [6] * 4
+    assert steps.idents and set(steps.idents) == {threading.get_ident()}
+    with pytest.raises(TimeoutError):
+        engine.pause(holder="trainer")
+        engine.wait_for([engine.submit(reqs(qwen2_lora_policy, n=1, tag="t")[0])], timeout=0.2)
+    engine.resume(holder="trainer")
+
+
 def test_abort_while_nobody_steps_applies_now(engine, qwen2_lora_policy):
     engine.pause(holder="user")
     fut = engine.submit(reqs(qwen2_lora_policy, n=1, tag="x")[0])

@@ -205,7 +205,7 @@ class RolloutEngine:
         with self._cond:
             self.driver.abort_ids.add(request_id)
             self._cond.notify_all()
-            applied_now = self.driver.paused or self.driver.driver is None
+            applied_now = self.driver.paused or self.driver.owner is None
         if applied_now:  # nobody is stepping: apply it here
             with self._step_lock:
                 self.driver.drain_inbox()
@@ -385,6 +385,12 @@ class RolloutEngine:
             else:
                 out.extend(f.result(timeout))
         return out
+
+    def wait_for(self, futures: Iterable[concurrent.futures.Future], timeout: float | None = None) -> None:
+        """Block until these ``submit()`` futures are done, running the engine's steps on this thread meanwhile
+        (as ``generate`` does: the worker thread hands over, so no second OpenMP team competes for the cores).
+        Raises TimeoutError after ``timeout`` seconds; the requests stay in flight."""
+        self.driver.drive_until(list(futures), timeout)
 
     async def agenerate(self, request: GenerationRequest) -> GenerationOutput | list[GenerationOutput]:
         """Await one request: a GenerationOutput, or a list of n when ``sampling.n > 1``.

@@ -11,7 +11,7 @@ main thread's forwards 4.4x slower). A thread's team is freed only when the thre
   thread that exits as soon as nothing can run (idle, or paused), so its team is freed before the trainer's
   next step, and is started again on demand; it also steps aside (exits) when a caller comes to drive.
 
-Exactly one driver holds the drive at a time; ``step_lock`` is held for each step, whoever runs it.
+Exactly one thread owns the drive at a time (``owner``); ``step_lock`` is held for each step, whoever runs it.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ class StepDriver:
         self.core = core
         self.on_refused = on_refused
         self.cond = threading.Condition()
-        self.step_lock = threading.Lock()  # held by the driver for each step
+        self.step_lock = threading.Lock()  # held by the owner for each step
         self.inbox: list = []  # Sequences submitted, not yet handed to the core
         self.abort_ids: set[str] = set()
         self.pause_holders: set[str] = set()  # paused while anyone holds a pause
         self.offloaded = False
         self.stopped = False
-        self.driver: threading.Thread | None = None  # the thread holding the drive (worker or caller)
+        self.owner: threading.Thread | None = None  # the thread holding the drive (worker or caller)
         self.worker: threading.Thread | None = None  # the last worker started (for join on shutdown)
         self._callers = 0  # threads waiting in drive_until: a worker hands the drive to them
         self.workers_started = 0
@@ -109,10 +109,10 @@ class StepDriver:
         """Make sure someone will step: start a worker if there is work and nobody holds or wants the drive."""
         with self.cond:
             self.cond.notify_all()
-            if self.driver is not None or self._callers or not (self._runnable() or self._chores()):
+            if self.owner is not None or self._callers or not (self._runnable() or self._chores()):
                 return
             t = threading.Thread(target=self._worker_loop, name=WORKER_NAME, daemon=True)
-            self.driver = self.worker = t
+            self.owner = self.worker = t
             self.workers_started += 1
         t.start()
 
@@ -121,15 +121,18 @@ class StepDriver:
         try:
             while True:
                 with self.cond:
-                    # Exit when idle, paused or asked to: the thread's OpenMP team goes with it.
+                    # Exit when idle, paused or asked to: the thread's OpenMP team goes with it. The drive is
+                    # released in the same critical section, so a submit that finds no driver starts a new one.
                     if self._callers or not (self._runnable() or self._chores()):
+                        self.owner = None
+                        self.cond.notify_all()
                         return
                 self._work_once()
         finally:
             with self.cond:
-                if self.driver is me:
-                    self.driver = None
-                self.cond.notify_all()
+                if self.owner is me:
+                    self.owner = None
+                    self.cond.notify_all()
 
     # ------------------------------------------------------------------ a caller drives
     def drive_until(self, futures: list[concurrent.futures.Future], timeout: float | None = None) -> None:
@@ -147,9 +150,9 @@ class StepDriver:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"generate: requests not finished after {timeout} s")
                 with self.cond:
-                    if self.driver is None and not self.stopped:
-                        self.driver = me
-                    elif self.driver is not me:  # the worker steps aside at its next boundary
+                    if self.owner is None and not self.stopped:
+                        self.owner = me
+                    elif self.owner is not me:  # the worker steps aside at its next boundary
                         self.cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
                         continue
                 if not self._work_once():
@@ -159,8 +162,8 @@ class StepDriver:
         finally:
             with self.cond:
                 self._callers -= 1
-                if self.driver is me:
-                    self.driver = None
+                if self.owner is me:
+                    self.owner = None
                 self.cond.notify_all()
             self.kick()  # requests of others still running: hand them to a worker (or the next caller)
 
