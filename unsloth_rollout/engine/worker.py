@@ -148,7 +148,7 @@ class StepDriver:
             while not done():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"generate: requests not finished after {timeout} s")
+                    raise TimeoutError(f"requests not finished after {timeout} s (they stay in flight)")
                 with self.cond:
                     if self.owner is None and not self.stopped:
                         self.owner = me
