@@ -16,6 +16,7 @@ import warnings
 from .backends import BACKENDS
 from .harness import MODELS
 from .long import LONG_DEFAULTS
+from .overhead import OVERHEAD_DEFAULTS
 from .workloads import SHAPES, WORKLOADS
 
 from ..engine.config import parse_bytes
@@ -28,10 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers continuous batching, vLLM and SGLang, on identical seeded requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="small-vlm", help=f"one of {', '.join(MODELS)}, or a model folder")
-    p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl", "long"),
+    p.add_argument("--workload", default="grpo", choices=(*WORKLOADS, "trl", "long", "overhead"),
                    help="grpo / chat / long-gen (long prompts and outputs): every backend on one request set; "
                         "trl: one GRPO step's generation phase in TRL's GRPOTrainer, engine vs TRL's generate path; "
-                        "long: engine decode tok/s as the context grows (--contexts, --batch, --steps)")
+                        "long: engine decode tok/s as the context grows (--contexts, --batch, --steps); "
+                        "overhead: what the engine's threads cost its decode steps and a trainer beside it "
+                        "(--layers, --batch, --steps, --train-batch, --train-tokens, --repeats)")
     g = SHAPES["grpo"]
     p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")
     p.add_argument("--group", type=int, default=None, help=f"samples per prompt (grpo default {g.group})")
@@ -44,11 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "eager ones)")
     p.add_argument("--contexts", default=",".join(map(str, LONG_DEFAULTS["contexts"])),
                    help="--workload long: prompt lengths (tokens) to decode at")
-    p.add_argument("--batch", type=int, default=LONG_DEFAULTS["batch"],
-                   help="--workload long: sequences decoding at once")
-    p.add_argument("--steps", type=int, default=LONG_DEFAULTS["steps"],
-                   help="--workload long: timed decode steps per context")
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (random, non-zero B); 0 = no LoRA")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"--workload long / overhead: sequences decoding at once (default {LONG_DEFAULTS['batch']} / "
+                        f"{OVERHEAD_DEFAULTS['batch']})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"--workload long / overhead: timed decode steps per context / per run (default "
+                        f"{LONG_DEFAULTS['steps']} / {OVERHEAD_DEFAULTS['steps']})")
+    p.add_argument("--layers", type=int, default=OVERHEAD_DEFAULTS["layers"],
+                   help="--workload overhead: decoder layers of the random model built from --model's config")
+    p.add_argument("--train-batch", type=int, default=OVERHEAD_DEFAULTS["train_batch"],
+                   help="--workload overhead: sequences per trainer step")
+    p.add_argument("--train-tokens", type=int, default=OVERHEAD_DEFAULTS["train_tokens"],
+                   help="--workload overhead: tokens per sequence of a trainer step")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help=f"LoRA rank (random, non-zero B); 0 = no LoRA (default 16; --workload overhead "
+                        f"{OVERHEAD_DEFAULTS['lora']})")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: float32 on CPU, bfloat16 on GPUs that have it)")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (LoRA in --dtype)")
@@ -63,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
     p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run the backends round-robin N times and keep each one's fastest run (noisy machines)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"run the backends round-robin N times and keep each one's fastest run (noisy machines; "
+                        f"default 1); --workload overhead: interleaved rounds (default {OVERHEAD_DEFAULTS['rounds']})")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT")
     p.add_argument("--markdown", dest="markdown_out", default=None, metavar="OUT")
@@ -92,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    overhead = args.workload == "overhead"
+    if args.lora_rank is None:
+        args.lora_rank = OVERHEAD_DEFAULTS["lora"] if overhead else 16
+    if args.repeats is None:
+        args.repeats = OVERHEAD_DEFAULTS["rounds"] if overhead else 1
+    defaults = OVERHEAD_DEFAULTS if overhead else LONG_DEFAULTS
+    args.batch = defaults["batch"] if args.batch is None else args.batch
+    args.steps = defaults["steps"] if args.steps is None else args.steps
+    if overhead:
+        return _main_overhead(args)
     if args.workload == "trl":
         return _main_trl(args)
     if args.workload == "long":
@@ -142,6 +166,21 @@ def _main_long(args) -> int:
         report = run_long(model=args.model, batch=args.batch, contexts=contexts, steps=args.steps,
                           backends=backends, lora=args.lora_rank, seed=args.seed, drift_samples=args.drift_samples,
                           progress=not args.no_progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report(args, report, markdown(report))
+    return 0
+
+
+def _main_overhead(args) -> int:
+    from .overhead import markdown, run_overhead
+
+    model = "tiny-lm" if args.model == "small-vlm" else args.model  # the CLI's default model is a VLM
+    try:
+        report = run_overhead(model=model, layers=args.layers, batch=args.batch, steps=args.steps,
+                              train_batch=args.train_batch, train_tokens=args.train_tokens, rounds=args.repeats,
+                              lora=args.lora_rank, seed=args.seed, progress=not args.no_progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -141,6 +141,7 @@ class EngineBackend(Backend):
             f = self.engine.submit(self._request(ctx, r))
             f.add_done_callback(lambda _f: progress.update(1))
             futs.append((r, f))
+        self.engine.wait_for(f for _, f in futs)  # steps on this thread, as generate() runs them
         samples = []
         for r, f in futs:
             o = f.result()[0]

@@ -28,6 +28,10 @@ import torch
 ATTN_NAME = "unsloth_rollout_attention"
 CTX_KWARG = "unsloth_rollout_ctx"
 
+# What a user does about a model whose forward bypasses the engine's cache.
+BYPASS_REMEDY = ("Load the model with load_model(..., backend='transformers') (load_model(backend='auto') does so "
+                 "for Unsloth's text fast-path families on CUDA) or without trust_remote_code.")
+
 # Attention-function arguments that change the arithmetic in ways the engine does not reproduce.
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
 
@@ -115,7 +119,9 @@ class ForwardContext:
         if ret is None or ret.data_ptr() != key.data_ptr() or ret.shape != key.shape:
             raise CacheBypassError(
                 f"{type(module).__name__} (layer {idx}) attended over keys that did not come from the engine's "
-                "KV cache view")
+                "KV cache view: the model's forward keeps a cache of its own (a patched fast path such as Unsloth's "
+                f"text-model forward on CUDA, or remote code), so its tokens and logprobs would be wrong. "
+                f"{BYPASS_REMEDY}")
         self.reads[idx] = self.reads.get(idx, 0) + 1
 
     def verify(self, model, num_layers: int) -> None:
@@ -133,8 +139,20 @@ class ForwardContext:
             f"reads {self.reads}, expected one each for {num_layers} layers). The model's forward bypasses the "
             "cache the engine passes as past_key_values (a patched fast path such as Unsloth's text-model "
             "CausalLM_fast_forward on CUDA, or remote code with its own attention), so its tokens and logprobs "
-            "would be wrong. Load the model with load_model(..., backend='transformers') or without "
-            "trust_remote_code.")
+            f"would be wrong. {BYPASS_REMEDY}")
+
+
+def legacy_cache_read(kind: str) -> CacheBypassError:
+    """The refusal for a forward that reads ``past_key_values`` as a legacy per-layer tuple.
+
+    Unsloth's text fast path (``LlamaModel_fast_forward`` / ``CausalLM_fast_forward``, what
+    ``FastLanguageModel`` installs for llama, mistral, gemma, gemma2, qwen2 and qwen3 on CUDA) reads
+    ``past_key_values[0][0]`` and attends over KV buffers of its own, so the engine's cache would not be used."""
+    return CacheBypassError(
+        f"the model's {kind} forward reads past_key_values as a legacy tuple of per-layer (key, value) tensors "
+        "(past_key_values[layer][0]) instead of writing and reading through the engine's KV cache view, as "
+        "Unsloth's text-model fast path (FastLanguageModel on CUDA: LlamaModel_fast_forward) does; it keeps KV "
+        f"buffers of its own, so its tokens and logprobs would not be the engine's. {BYPASS_REMEDY}")
 
 
 _local = threading.local()

@@ -1,8 +1,9 @@
-"""RolloutEngine: the engine's front — threads, futures, asyncio, pause holders and weight changes.
+"""RolloutEngine: the engine's front — futures, asyncio, pause holders and weight changes.
 
-``EngineCore`` (core.py) runs one step at a time; this class drives it from a background thread
-whenever there is work, so ``generate`` (blocking), ``agenerate`` (any event loop or thread) and
-``stream`` all batch together. The engine holds the PolicyModel, never a copy: after an optimizer
+``EngineCore`` (core.py) runs one step at a time; ``StepDriver`` (worker.py) runs it on the thread of a
+caller that waits (``generate``) or else on a worker thread that exits when idle, so ``generate``
+(blocking), ``agenerate`` (any event loop or thread) and ``stream`` all batch together, and only one
+thread's OpenMP team does the model's work. The engine holds the PolicyModel, never a copy: after an optimizer
 step and ``set_version(v + 1)`` the next tokens come from the new weights.
 
 Example::
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable
 
@@ -29,6 +29,7 @@ from .config import EngineConfig, InvalidRequestError
 from .core import EngineCore
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 from .sequence import Sequence
+from .worker import StepDriver
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -94,16 +95,11 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         self.core = EngineCore(policy, self.config, seed)
         self.lora_adapters: dict[str, str] = {}
-        self._cond = threading.Condition()
-        self._inbox: list[Sequence] = []
-        self._abort_ids: set[str] = set()
+        self.driver = StepDriver(self.core, self._refuse_model)
+        self._cond = self.driver.cond
+        self._step_lock = self.driver.step_lock  # held by whichever thread runs a step
         self._pending: dict[str, _Pending] = {}
-        self._pause_holders: set[str] = set()  # paused while anyone holds a pause (see pause())
         self._fatal: ModelNotServableError | None = None
-        self._stopped = False
-        self._offloaded = False
-        self._thread: threading.Thread | None = None
-        self._step_lock = threading.Lock()  # held by the engine thread for each step
         self._requests = 0
         kv = self.kv
         logger.info("unsloth_rollout: KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
@@ -172,7 +168,7 @@ class RolloutEngine:
         if mode == "wait":
             self.wait_idle()
         with self._cond:
-            self._pause_holders.add(holder)
+            self.driver.pause_holders.add(holder)
         with self._step_lock:  # wait for the step in progress to end
             pass
         if mode == "abort":
@@ -181,17 +177,17 @@ class RolloutEngine:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request is in flight (woken by each finished request, no polling); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending or self._stopped, timeout)
+            return self._cond.wait_for(lambda: not self._pending or self.driver.stopped, timeout)
 
     def resume(self, holder: str = "user") -> None:
         """Release ``holder``'s pause; generation continues once no one else holds one."""
         with self._cond:
-            self._pause_holders.discard(holder)
-            self._cond.notify_all()
+            self.driver.pause_holders.discard(holder)
+        self.driver.kick()  # sequences in flight: the worker exited while paused
 
     @property
     def _paused(self) -> bool:
-        return bool(self._pause_holders)
+        return bool(self.driver.pause_holders)
 
     @property
     def is_paused(self) -> bool:
@@ -201,23 +197,24 @@ class RolloutEngine:
     def paused_by(self) -> frozenset[str]:
         """Who holds a pause now (empty: running)."""
         with self._cond:
-            return frozenset(self._pause_holders)
+            return frozenset(self.driver.pause_holders)
 
     def abort(self, request_id: str) -> None:
         """Finish every sample of ``request_id`` with finish_reason "abort" and free its KV."""
         with self._cond:
-            self._abort_ids.add(request_id)
+            self.driver.abort_ids.add(request_id)
             self._cond.notify_all()
-        if self._paused or self._thread is None:
+            applied_now = self.driver.paused or self.driver.owner is None
+        if applied_now:  # nobody is stepping: apply it here
             with self._step_lock:
-                self._drain_inbox()
+                self.driver.drain_inbox()
 
     def abort_all(self) -> None:
         with self._cond:
-            self._abort_ids.update(self._pending)
+            self.driver.abort_ids.update(self._pending)
             self._cond.notify_all()
         with self._step_lock:
-            self._drain_inbox()
+            self.driver.drain_inbox()
 
     def offload(self) -> None:
         """Free the KV cache memory (for training); requests wait until ``onload()``.
@@ -229,14 +226,14 @@ class RolloutEngine:
                 self.scheduler.preempt(s)
             self.scheduler.prefix.drop()
             self.kv.release_storage()
-            self._offloaded = True
+            self.driver.offloaded = True
             if self.kv.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def onload(self) -> None:
         with self._step_lock:
             self.kv.allocate_storage()
-            self._offloaded = False
+            self.driver.offloaded = False
         self.resume(holder="offload")
 
     # ================================================================== LoRA adapters served by name
@@ -306,7 +303,7 @@ class RolloutEngine:
         sch, kv = self.scheduler, self.kv
         s.update(
             requests=self._requests, version=self.version, paused=self._paused, paused_by=sorted(self.paused_by),
-            num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self._inbox),
+            num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self.driver.inbox),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
             kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
             decode_workspace_bytes=ws.memory_bytes if (ws := self.core.runner.workspace) is not None else 0,
@@ -347,9 +344,13 @@ class RolloutEngine:
     def submit(self, req: GenerationRequest, on_delta=None) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its list of n GenerationOutputs.
 
-        Invalid input raises InvalidRequestError (naming the field) here, before anything is queued.
+        Invalid input raises InvalidRequestError (naming the field) here, before anything is queued. The
+        engine's worker thread steps it (a caller blocked in ``generate`` steps everyone's requests instead).
         """
-        if self._stopped:
+        return self._submit(req, on_delta, start_worker=True)
+
+    def _submit(self, req: GenerationRequest, on_delta, start_worker: bool) -> concurrent.futures.Future:
+        if self.driver.stopped:
             raise EngineStopped("the engine is shut down")
         if self._fatal is not None:
             raise self._fatal
@@ -361,10 +362,10 @@ class RolloutEngine:
         pend = _Pending(req.request_id, [None] * n, fut, on_delta, [0] * n, [0] * n)
         with self._cond:
             self._pending[req.request_id] = pend
-            self._inbox.extend(seqs)
+            self.driver.inbox.extend(seqs)
             self._requests += 1
-            self._cond.notify_all()
-        self._ensure_thread()
+        if start_worker:
+            self.driver.kick()
         return fut
 
     def generate(self, requests: Iterable[GenerationRequest] | GenerationRequest,
@@ -372,16 +373,18 @@ class RolloutEngine:
         """Run requests to completion; outputs in input order (a request with n samples gives n in a row).
 
         A request the engine cannot run (too long, bad image) yields an output with ``error`` set and
-        finish_reason "abort"; the others complete.
+        finish_reason "abort"; the others complete. The steps run on the calling thread (together with any
+        other requests in flight), so no second thread's OpenMP team competes with it for the cores.
         """
         if isinstance(requests, GenerationRequest):
             requests = [requests]
         futs = []
         for r in requests:
             try:
-                futs.append((r, self.submit(r)))
+                futs.append((r, self._submit(r, None, start_worker=False)))
             except InvalidRequestError as e:
                 futs.append((r, e))
+        self.driver.drive_until([f for _, f in futs if not isinstance(f, Exception)], timeout)
         out: list[GenerationOutput] = []
         for r, f in futs:
             if isinstance(f, Exception):
@@ -390,6 +393,12 @@ class RolloutEngine:
             else:
                 out.extend(f.result(timeout))
         return out
+
+    def wait_for(self, futures: Iterable[concurrent.futures.Future], timeout: float | None = None) -> None:
+        """Block until these ``submit()`` futures are done, running the engine's steps on this thread meanwhile
+        (as ``generate`` does: the worker thread hands over, so no second OpenMP team competes for the cores).
+        Raises TimeoutError after ``timeout`` seconds; the requests stay in flight."""
+        self.driver.drive_until(list(futures), timeout)
 
     async def agenerate(self, request: GenerationRequest) -> GenerationOutput | list[GenerationOutput]:
         """Await one request: a GenerationOutput, or a list of n when ``sampling.n > 1``.
@@ -432,68 +441,16 @@ class RolloutEngine:
             raise
         return stream
 
-    # ================================================================== engine thread
-    def _ensure_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        with self._cond:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._thread = threading.Thread(target=self._loop, name="unsloth-rollout-engine", daemon=True)
-            self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and (self._paused or self._offloaded or not (
-                        self._inbox or self._abort_ids or self.scheduler.has_work())):
-                    if self._abort_ids or (self._inbox and self._paused):
-                        break
-                    self._cond.wait(timeout=1.0)
-                if self._stopped:
-                    return
-            with self._step_lock:
-                if self._paused or self._offloaded:
-                    self._drain_inbox()
-                    with self._cond:
-                        if self._paused or self._offloaded:
-                            self._cond.wait(timeout=0.05)
-                    continue
-                try:
-                    self.step()
-                    continue
-                except Exception:  # the engine must keep serving; the step already failed its sequences
-                    logger.exception("unsloth_rollout: engine step failed")
-            with self._cond:  # back off after a failed step instead of spinning on it
-                self._cond.wait(timeout=0.05)
-
+    # ================================================================== stepping (worker.py)
     def shutdown(self) -> None:
-        """Abort everything still in flight and stop the engine thread."""
+        """Abort everything still in flight and stop the engine's worker thread."""
         self.abort_all()
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-
-    def _drain_inbox(self) -> None:
-        with self._cond:
-            new, self._inbox = self._inbox, []
-            aborts, self._abort_ids = self._abort_ids, set()
-        for s in new:
-            self.core.add(s)
-        if aborts:
-            for s in [s for s in self.core.sequences() if s.request_id in aborts]:
-                self.core.finish(s, "abort")
+        self.driver.stop()
 
     def step(self) -> int:
-        """Take in new requests and aborts, then run one core step; returns the tokens produced."""
-        self._drain_inbox()
-        try:
-            return self.core.step()
-        except ModelNotServableError as e:
-            self._refuse_model(e)
-            return 0
+        """Take in new requests and aborts, then run one core step on this thread; returns the tokens produced."""
+        with self._step_lock:
+            return self.driver.step()
 
     # ================================================================== outputs to callers
     def _refuse_model(self, e: ModelNotServableError) -> None:
@@ -537,7 +494,7 @@ class RolloutEngine:
     def __del__(self):
         try:
             with self._cond:
-                self._stopped = True
+                self.driver.stopped = True
                 self._cond.notify_all()
         except Exception:
             pass

@@ -13,6 +13,8 @@ from collections import deque
 
 import torch
 
+from .attention import legacy_cache_read
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -149,3 +151,7 @@ class CacheView:
 
     def __len__(self) -> int:
         return self.cache.num_layers
+
+    def __getitem__(self, layer_idx):
+        # A forward that indexes the cache like a legacy tuple (Unsloth's text fast path) bypasses it: refuse.
+        raise legacy_cache_read("prefill" if self.gather_index is None else "decode")

@@ -2,8 +2,9 @@
 
 ``backend="unsloth"`` goes through ``FastVisionModel`` / ``FastLanguageModel`` and their
 ``get_peft_model``; ``"transformers"`` through the Auto classes and PEFT (bitsandbytes 4-bit where
-it runs); ``"auto"`` takes Unsloth where it is importable and supports the model on this device
-(its CPU backend loads text models only) and logs one line saying which and why.
+it runs); ``"auto"`` takes Unsloth where it is importable and the engine can serve what it loads
+(its CPU backend loads text models only; on CUDA its text fast path is refused by the engine, see
+UNSLOTH_FAST_PATH_TYPES) and logs one line saying which and why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from .processor import load_processor
 logger = logging.getLogger("unsloth_rollout")
 
 BACKENDS = ("auto", "unsloth", "transformers")
+
+# model_types FastLanguageModel loads through its patched text fast path (unsloth/models/loader.py, checked
+# against unsloth 2026.10.9): on CUDA its inference forward reads past_key_values as a legacy tuple and keeps
+# KV buffers of its own, so RolloutEngine refuses it (CacheBypassError). Other text types go through
+# Unsloth's FastModel path, which runs transformers' attention through the engine's cache.
+UNSLOTH_FAST_PATH_TYPES = frozenset({"llama", "mistral", "gemma", "gemma2", "qwen2", "qwen3"})
 
 # Unsloth's get_peft_model vocabulary: which projection names count as attention or MLP.
 _ATTN_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj", "out_proj", "qkv_proj"}
@@ -48,7 +55,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_backend(backend: str, is_vlm: bool) -> tuple[str, str]:
+def resolve_backend(backend: str, is_vlm: bool, model_type: str | None = None) -> tuple[str, str]:
     """Return (backend, reason)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
@@ -65,6 +72,10 @@ def resolve_backend(backend: str, is_vlm: bool) -> tuple[str, str]:
                 "backend='unsloth': Unsloth's CPU backend loads only text models, and this is a vision-language "
                 "model with no GPU present; use backend='transformers' (or 'auto')")
         return "transformers", "Unsloth's CPU backend does not load vision-language models"
+    if backend == "auto" and not is_vlm and model_type in UNSLOTH_FAST_PATH_TYPES and _cuda():
+        return "transformers", (f"Unsloth's text fast path for {model_type} on CUDA keeps its own KV cache, which "
+                                "the rollout engine cannot serve exactly (backend='unsloth' loads it anyway, for "
+                                "training without the engine)")
     return "unsloth", "requested" if backend == "unsloth" else "unsloth is installed and supports this model here"
 
 
@@ -200,7 +211,7 @@ def load_model(
     config = AutoConfig.from_pretrained(path)
     check_supported(config, allow_unverified_family)
     is_vlm = getattr(config, "model_type", "") in VLM_MODEL_TYPES or hasattr(config, "vision_config")
-    chosen, reason = resolve_backend(backend, is_vlm)
+    chosen, reason = resolve_backend(backend, is_vlm, getattr(config, "model_type", None))
     logger.info("unsloth_rollout: backend=%s (%s)", chosen, reason)
     dtype = _default_dtype(dtype)
     if chosen == "unsloth":
