@@ -290,6 +290,9 @@ class RolloutEngine:
         self.weights_changed(lora_name=changed)
 
     def _drop_adapter_requests(self, name: str, why: str) -> None:
+        # Requests still in the inbox count too: a step between an unload and a reload would prefill them
+        # under an adapter that no longer exists (found by the differential test).
+        self.driver.drain_inbox()
         for s in self.core.sequences():
             if s.lora_name == name:
                 self.core.finish(s, "abort", error=f"adapter {name!r} {why}")

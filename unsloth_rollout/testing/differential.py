@@ -34,12 +34,6 @@ from .differential_checks import TOL, check_rows, make_images, processor_inputs 
 
 # Defects filed and being fixed; the lead deletes an entry once its fix is merged (draws then run again).
 KNOWN = {
-    "vision_lora_named": "issue 22 item 1: named adapters on a VLM with LoRA on the vision tower, image prompts",
-    "peft_state_after_failure": "issue 22 item 1: a forward that fails under adapter_names leaves PEFT hooks",
-    "unload_last_adapter": "issue 22 item 2: unloading the last served adapter breaks later loads",
-    # Found by this test (new, reported to the lead): requests still in the engine's inbox are not aborted by
-    # unload_lora_adapter, and then fail with PEFT's "non-existing adapter" error if a step runs before a reload.
-    "unload_queued_request": "difftest: unload_lora_adapter misses requests queued for that adapter",
 }
 EVENTS = ("weight_change", "unload_reload", "offload", "abort", "pause", "fail")
 WORDS = ("the quick brown fox jumps over a lazy dog while Alice and Bob count 12 + 7 = 19 apples in Paris "
