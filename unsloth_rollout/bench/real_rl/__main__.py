@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=line)
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {', '.join(PATHS)}")
     p.add_argument("--out", default=None, help="folder for grpo_real.json and grpo_real.png")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the paths side by side, each in its own process (one torch thread each by default)")
+    p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)  # one path's result (--parallel's children)
+    p.add_argument("--assemble", default=None, metavar="FOLDER",
+                   help="make the record from a stopped run's parts folder (marked partial) instead of running")
     p.add_argument("--quiet", action="store_true", help="no line per step")
     return p
 
@@ -41,56 +46,128 @@ def _load() -> list[float]:
         return []
 
 
-def run(settings: RunSettings, paths: list[str], progress: bool = True) -> dict:
-    """Run ``paths`` in order; returns the record (the JSON's content)."""
+def run_path(settings: RunSettings, name: str, progress: bool = True, part_out: str | None = None) -> dict:
+    """One path's result: its steps, summary, wall time and the load at its end (also written to ``part_out``
+    after every step, so an interrupted run leaves its steps so far)."""
     import torch
-    import transformers
-    import trl
 
-    from ..harness import cpu_pressure, machine_info
+    from ..harness import cpu_pressure
     from . import record
+    from .trl_paths import progress_line, run_trl
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    t0 = time.perf_counter()
+    done = []
+
+    def result(recs) -> dict:
+        return {"wall_s": round(time.perf_counter() - t0, 1), "load_average_end": _load(),
+                "cpu_pressure_end_pct": cpu_pressure(), "steps": record.steps_json(recs),
+                "summary": record.summarize(recs)}
+
+    def on_step(n, rec):
+        done.append(rec)
+        if progress:
+            progress_line(n, rec, settings.steps)
+        if part_out:
+            pathlib.Path(part_out).write_text(json.dumps(result(done)) + "\n")
+
+    if progress:
+        print(f"[{name}] {settings.steps} steps ...", file=sys.stderr, flush=True)
+    if name == "areal-engine":
+        from .areal_path import run_areal
+
+        recs = run_areal(settings, on_step=on_step)
+    else:
+        recs = run_trl(settings, engine_path=name == "trl-engine", on_step=on_step)
+    out = result(recs)
+    if part_out:
+        pathlib.Path(part_out).write_text(json.dumps(out) + "\n")
+    return out
+
+
+def _run_parallel(settings: RunSettings, paths: list[str], progress: bool, folder: pathlib.Path) -> dict[str, dict]:
+    """Each path in its own process, side by side (one torch thread each unless --threads says otherwise)."""
+    import subprocess
+
+    s = dataclasses.replace(settings, threads=settings.threads or 1)
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in s.as_dict().items()]
+    procs = {name: subprocess.Popen([sys.executable, "-m", "unsloth_rollout.bench.real_rl", *args, "--paths", name,
+                                     "--part-out", str(folder / f"{name}.json"), *([] if progress else ["--quiet"])],
+                                    stdout=subprocess.DEVNULL)
+             for name in paths}
+    failed = [name for name, p in procs.items() if p.wait() != 0]
+    if failed:
+        raise RuntimeError(f"--parallel: path(s) {failed} failed (their output is above)")
+    return {name: json.loads((folder / f"{name}.json").read_text()) for name in paths}
+
+
+def run(settings: RunSettings, paths: list[str], progress: bool = True, parallel: bool = False) -> dict:
+    """Run ``paths`` (in order, or side by side in processes of their own); returns the record (the JSON).
+
+    Each path's steps so far are kept in a parts folder (printed); ``--assemble FOLDER`` makes the record from
+    it, marked partial, if the run is stopped."""
+    import tempfile
+
+    import torch
+
+    from ..harness import machine_info
     from .bound import hf_generate_distance
     from .task import capital_rows
-    from .trl_paths import load_policy, progress_line, run_trl
+    from .trl_paths import load_policy
 
     bad = [p for p in paths if p not in PATHS]
     if bad:
         raise ValueError(f"--paths: unknown {bad}; choose from {list(PATHS)}")
-    on_step = (lambda name, rec: progress_line(name, rec, settings.steps)) if progress else None
     if settings.threads:
         torch.set_num_threads(settings.threads)
     # The bound of this checkpoint, measured on the run's own prompts as the real-checkpoint test measures it.
     policy = load_policy(settings)
     distance = hf_generate_distance(policy, [r["messages"] for r in capital_rows(settings.rows, settings.seed)][:4],
                                     settings.max_new_tokens, settings.temperature, n=4, seed=settings.seed)
-    device = policy.device
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="unsloth_rollout_real_parts_"))
+    meta = {"settings": settings.as_dict(), "paths": paths, "parallel": parallel, "distance": distance,
+            "machine": {**machine_info(policy.device), "load_average_start": _load()}}
     del policy
-    load_start = _load()
-    results: dict[str, dict] = {}
-    for name in paths:
-        if progress:
-            print(f"[{name}] {settings.steps} steps ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        if name == "areal-engine":
-            from .areal_path import run_areal
+    (folder / "meta.json").write_text(json.dumps(meta) + "\n")
+    if progress:
+        print(f"parts folder: {folder} (python -m unsloth_rollout.bench.real_rl --assemble {folder} --out DIR "
+              "makes a partial record from it if this run is stopped)", file=sys.stderr, flush=True)
+    if parallel:
+        results = _run_parallel(settings, paths, progress, folder)
+    else:
+        results = {name: run_path(settings, name, progress, str(folder / f"{name}.json")) for name in paths}
+    return assemble(meta, results)
 
-            recs = run_areal(settings, on_step=on_step)
-        else:
-            recs = run_trl(settings, engine_path=name == "trl-engine", on_step=on_step)
-        results[name] = {"wall_s": round(time.perf_counter() - t0, 1), "load_average_end": _load(),
-                         "cpu_pressure_end_pct": cpu_pressure(), "steps": record.steps_json(recs),
-                         "summary": record.summarize(recs)}
-    base = results.get("trl-generate")
-    noise = None
-    if base is not None:
-        from .settings import StepRecord
 
-        noise = record.reward_noise([StepRecord(**r) for r in base["steps"]], settings.group,
-                                    settings.prompts_per_step)
+def assemble_folder(folder: str) -> dict:
+    """The record from a parts folder (every path's steps so far)."""
+    f = pathlib.Path(folder)
+    meta = json.loads((f / "meta.json").read_text())
+    results = {name: json.loads((f / f"{name}.json").read_text()) for name in meta["paths"]
+               if (f / f"{name}.json").exists()}
+    return assemble(meta, results)
+
+
+def assemble(meta: dict, results: dict[str, dict]) -> dict:
+    import torch
+    import transformers
+    import trl
+
+    from . import record
+
+    settings = RunSettings(**meta["settings"])
+    paths, parallel, distance = meta["paths"], meta["parallel"], meta["distance"]
     bnd = record.bounds(distance, {k: v["summary"] for k, v in results.items()})
+    partial = {k: len(v["steps"]) for k, v in results.items() if len(v["steps"]) < settings.steps}
+    partial.update({k: 0 for k in paths if k not in results})
     return {
+        "partial": bool(partial),
+        "partial_steps_done": partial or None,
         "command": "python -m unsloth_rollout.bench.real_rl " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in settings.as_dict().items()) + f" --paths {','.join(paths)}",
+            f"--{k.replace('_', '-')} {v}" for k, v in settings.as_dict().items()) + f" --paths {','.join(paths)}"
+            + (" --parallel" if parallel else ""),
+        "parallel": parallel,
         "title": f"GRPO on {settings.model} (LoRA r={settings.lora_r}), capitals task, "
                  f"{settings.prompts_per_step} prompts x {settings.group} samples per step, CPU fp32",
         "task": "name the capital inside <answer></answer> (unsloth_rollout/bench/real_rl/task.py); reward 1.0 for "
@@ -108,15 +185,15 @@ def run(settings: RunSettings, paths: list[str], progress: bool = True) -> dict:
         "logprob_bounds": bnd,
         "logprob_bounds_how": "max(1e-5, 1.5 x HF generate's own distance from the same reference), the rule of "
                               "tests/test_real_checkpoint.py; HF generate's distance from a teacher-forced forward: "
-                              f"{distance:.2e} at the start (4 prompts x 4 seeded samples, one at a time) or the worst of trl-generate's "
-                              "steps; from the trainer: the worst of trl-generate's steps",
-        "reward_noise": noise,
-        "reward_noise_how": "2 standard errors of a 5-step mean reward (binomial, trl-generate's last 5 steps)",
+                              f"{distance:.2e} at the start (4 prompts x 4 seeded samples, one at a time) or the "
+                              "worst of trl-generate's steps; from the trainer: the worst of trl-generate's steps",
+        "noise_how": "reward_gain_noise / difference_noise: 2 standard errors of the difference of two 5-step mean "
+                     "rewards (binomial over their 5 x prompts_per_step x group samples)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                      "areal": _areal_version()},
-        "machine": {**machine_info(device), "load_average_start": load_start},
+        "machine": meta["machine"],
         "paths": results,
-        "criteria": record.criteria(results, bnd, noise),
+        "criteria": record.criteria(results, bnd, settings.prompts_per_step * settings.group),
     }
 
 
@@ -136,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunSettings)}
     settings = RunSettings(**kw)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    rec = run(settings, paths, progress=not args.quiet)
+    if args.part_out:
+        (name,) = paths
+        run_path(settings, name, not args.quiet, args.part_out)
+        return 0
+    if args.assemble:
+        rec = assemble_folder(args.assemble)
+    else:
+        rec = run(settings, paths, progress=not args.quiet, parallel=args.parallel)
     if args.out:
         from .record import plot
 
@@ -144,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "grpo_real.json").write_text(json.dumps(rec, indent=2) + "\n")
         plot(rec, out / "grpo_real.png")
+
     def fmt(x):
         return "-" if x is None else f"{x:.2e}"
 

@@ -58,36 +58,41 @@ def within(records: list[dict], key: str, bound: float | None) -> bool | None:
     return all(v is not None and v <= bound for v in vals)
 
 
-def criteria(results: dict[str, dict], bnd: dict, reward_noise: float | None) -> dict:
-    """The issue's "done when", per engine path, against TRL's own-generation run."""
-    base = results.get("trl-generate", {}).get("summary")
-    out = {}
+def two_se_of_difference(p1: float, p2: float, n: int) -> float:
+    """Two standard errors of the difference of two mean rewards over ``n`` 0/1 samples each (binomial; samples of
+    one GRPO group are correlated, so the true noise is somewhat larger)."""
+    return 2 * math.sqrt((p1 * (1 - p1) + p2 * (1 - p2)) / n)
+
+
+def criteria(results: dict[str, dict], bnd: dict, samples_per_step: int) -> dict:
+    """The issue's "done when", per engine path, against TRL's own-generation run, at the step count every path
+    reached (all of them, unless the run was stopped)."""
+    common = min((len(r["steps"]) for r in results.values()), default=0)
+    cut = {k: {"steps": r["steps"][:common],
+               "summary": summarize([StepRecord(**x) for x in r["steps"][:common]])} for k, r in results.items()}
+    base = cut.get("trl-generate", {}).get("summary")
+    out = {"at_step": common}
+    if not common:
+        return out
     for name in ("trl-engine", "areal-engine"):
-        if name not in results:
+        if name not in cut:
             continue
-        s, steps = results[name]["summary"], results[name]["steps"]
-        c = {"reward_gain": s["last_mean_reward"] - s["first_mean_reward"],
-             "rises": s["last_mean_reward"] - s["first_mean_reward"] > (reward_noise or 0.0),
+        s, steps = cut[name]["summary"], cut[name]["steps"]
+        n = min(WINDOW, len(steps)) * samples_per_step
+        first, last = s["first_mean_reward"], s["last_mean_reward"]
+        c = {"reward_gain": last - first, "reward_gain_noise": two_se_of_difference(first, last, n),
              "logprob_vs_trainer_within_bound_every_step": within(steps, "logprob_diff_max", bnd["vs_trainer"]),
              "logprob_vs_teacher_forced_within_bound_every_step": within(steps, "oracle_diff_max",
                                                                          bnd["vs_teacher_forced"])}
+        c["rises"] = c["reward_gain"] > c["reward_gain_noise"]
         if base is not None:
-            c["last_mean_reward_minus_trl_generate"] = s["last_mean_reward"] - base["last_mean_reward"]
-            c["within_noise_of_trl_generate"] = (reward_noise is not None
-                                                 and abs(c["last_mean_reward_minus_trl_generate"]) <= reward_noise)
+            c["last_mean_reward_minus_trl_generate"] = last - base["last_mean_reward"]
+            c["difference_noise"] = two_se_of_difference(last, base["last_mean_reward"], n)
+            c["within_noise_of_trl_generate"] = abs(c["last_mean_reward_minus_trl_generate"]) <= c["difference_noise"]
             c["generation_time_ratio_trl_generate_over_this"] = base["generation_s_total"] / s["generation_s_total"]
             c["generation_2x_less"] = c["generation_time_ratio_trl_generate_over_this"] >= 2.0
         out[name] = c
     return out
-
-
-def reward_noise(records: list[StepRecord], group: int, prompts: int) -> float | None:
-    """Two standard errors of a WINDOW-step mean reward, from the run's own per-step rewards (binomial)."""
-    if not records:
-        return None
-    p = _mean([r.mean_reward for r in records[-WINDOW:]])
-    n = WINDOW * group * prompts
-    return 2 * math.sqrt(max(p * (1 - p), 1e-12) / n)
 
 
 def steps_json(records: list[StepRecord]) -> list[dict]:
@@ -104,8 +109,8 @@ def plot(record: dict, path) -> None:
     except ImportError:
         return
     colors = {"trl-generate": "tab:gray", "trl-engine": "tab:blue", "areal-engine": "tab:orange"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
-    bound = (record.get("logprob_bounds") or {}).get("vs_trainer")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), dpi=100)
+    bnd = record.get("logprob_bounds") or {}
     for name, run in record["paths"].items():
         steps = [r["step"] for r in run["steps"]]
         rewards = [r["mean_reward"] for r in run["steps"]]
@@ -116,19 +121,21 @@ def plot(record: dict, path) -> None:
         label = f"{name} ({run['summary']['generation_s_total']:.0f} s generating)"
         axes[0].plot(steps, rewards, marker="o", ms=3, color=colors.get(name), label=name)
         axes[1].plot(cum, rewards, marker="o", ms=3, color=colors.get(name), label=label)
-        diffs = [(r["step"], r["logprob_diff_max"]) for r in run["steps"] if r["logprob_diff_max"] is not None]
-        if diffs:
-            axes[2].plot(*zip(*diffs), marker="o", ms=3, color=colors.get(name), label=name)
-    if bound:
-        axes[2].axhline(bound, color="red", ls="--", lw=1, label=f"fp32 bound (1.5x HF generate's) {bound:.1e}")
+        for key, ls, what in (("logprob_diff_max", "-", "vs trainer"), ("oracle_diff_max", ":", "vs teacher-forced")):
+            pts = [(r["step"], r[key]) for r in run["steps"] if r.get(key) is not None]
+            if pts:
+                axes[2].plot(*zip(*pts), marker="o", ms=3, ls=ls, color=colors.get(name), label=f"{name} {what}")
+    for key, ls, what in (("vs_trainer", "--", "vs trainer"), ("vs_teacher_forced", "-.", "vs teacher-forced")):
+        if bnd.get(key):
+            axes[2].axhline(bnd[key], color="red", ls=ls, lw=1, label=f"fp32 bound {what} {bnd[key]:.1e}")
     axes[0].set(xlabel="GRPO step", ylabel="mean reward", ylim=(0, 1.05), title="reward per step")
     axes[1].set(xlabel="cumulative generation wall time (s)", ylabel="mean reward", ylim=(0, 1.05),
                 title="reward against generation time")
-    axes[2].set(xlabel="GRPO step", ylabel="max |behaviour - recomputed logprob|", yscale="log",
-                title="engine logprobs vs the trainer's")
+    axes[2].set(xlabel="GRPO step", ylabel="max |behaviour logprob - reference|", yscale="log",
+                title="behaviour logprobs vs the trainer's and a teacher-forced forward")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(record.get("title", ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path)

@@ -81,7 +81,7 @@ class StepRecord:
     train_s: float  # wall seconds of the rest of the step: rewards, logprob recompute, loss, backward, optimizer
     logprob_diff_max: float | None  # max |behaviour logprob - trainer's recomputed| over the step's sampled tokens
     # (behaviour: the engine's, or for TRL's own generate HF generate's log_softmax(logits / T))
-    oracle_diff_max: float | None = None  # max |behaviour logprob - teacher-forced fp32 forward|, oracle_samples samples
+    oracle_diff_max: float | None = None  # max |behaviour logprob - teacher-forced fp32 forward| (oracle_samples)
     check_s: float = 0.0  # wall seconds of the oracle check (not in generation_s or train_s)
     completion_tokens_mean: float | None = None  # mean completion length in tokens (EOS included)
     versions: list[int] = field(default_factory=list)  # weight versions stamped on the step's sampled tokens
