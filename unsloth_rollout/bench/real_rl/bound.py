@@ -17,7 +17,7 @@ FACTOR = 1.5
 def hf_generate_distance(policy, prompts: list[list[dict]], max_new_tokens: int = 16, temperature: float = 1.0,
                          n: int = 4, seed: int = 0) -> float:
     """max |HF generate() logprob - teacher-forced logprob| over ``n`` seeded samples of each of ``prompts`` (chat
-    messages), one prompt at a time, scored as ``log_softmax(logits / temperature)``."""
+    messages), one prompt (``n`` rows) per generate call, scored as ``log_softmax(logits / temperature)``."""
     import torch
 
     from ...testing.oracles import teacher_forced
@@ -28,18 +28,21 @@ def hf_generate_distance(policy, prompts: list[list[dict]], max_new_tokens: int 
         for messages in prompts:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
             ids = torch.tensor([list(ids["input_ids"])], device=policy.device)
+            torch.manual_seed(seed)
+            with policy.lock, torch.no_grad():  # n samples of one prompt: equal lengths, no padding
+                gen = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                            max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                            top_k=0, top_p=1.0, num_return_sequences=n, output_logits=True,
+                                            return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+            logits = torch.stack(list(gen.logits), 1).float() / temperature  # [n, N, V]
+            new = gen.sequences[:, ids.shape[1]:]
+            hf = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
             for k in range(n):
-                torch.manual_seed(seed * 1000003 + k)
-                with policy.lock, torch.no_grad():
-                    gen = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                                max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                                top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True,
-                                                pad_token_id=tok.pad_token_id)
-                out = gen.sequences[0, ids.shape[1]:].tolist()
-                hf = torch.stack([torch.log_softmax(lg[0].float() / temperature, -1)[t]
-                                  for lg, t in zip(gen.logits, out)])
+                out = new[k].tolist()
+                if tok.pad_token_id in out:  # a sample that ended early is padded after its EOS
+                    out = out[: out.index(tok.pad_token_id) + 1]
                 ref, _ = teacher_forced(policy, ids[0].tolist(), out, temperature)
-                worst = max(worst, (hf.cpu() - ref.cpu()).abs().max().item())
+                worst = max(worst, (hf[k, : len(out)].cpu() - ref.cpu()).abs().max().item())
     return worst
 
 
