@@ -51,6 +51,25 @@ def test_capital_reward_is_exact():
         RunSettings(rows=6, prompts_per_step=4)
 
 
+def test_example_task_feeds_both_trainers():
+    """examples/real_rl/my_task.py: one reward, in TRL's and in AReaL's signature."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "real_rl" / "my_task.py"
+    spec = importlib.util.spec_from_file_location("my_task", path)
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    rows = task.rows(None, None)
+    assert rows and all(set(r) == {"messages", "answer"} for r in rows)
+    chat = [[{"role": "assistant", "content": "<answer>Rome</answer>"}],
+            [{"role": "assistant", "content": "<answer>Paris</answer>"}]]
+    assert task.trl_reward(chat, prompts=[[], []], completion_ids=[[1], [2]], answer=["Rome", "Rome"],
+                           trainer_state=None) == [1.0, 0.0]
+    assert task.areal_reward("p", "<answer>Rome</answer><|im_end|>", [1], [2], answer="Rome",
+                             messages=rows[0]["messages"]) == 1.0
+
+
 def _check_steps(steps, bound, first_version):
     assert [s["step"] for s in steps] == [1, 2]
     for i, s in enumerate(steps):
