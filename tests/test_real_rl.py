@@ -100,7 +100,7 @@ def test_both_engine_paths_smoke_through_the_cli(real_checkpoint, tmp_path, caps
     _check_steps(rec["paths"]["trl-engine"]["steps"], bound, first_version=0)
     _check_steps(rec["paths"]["areal-engine"]["steps"], bound, first_version=0)
     out = capsys.readouterr().out
-    assert "trl-engine: reward" in out and "areal-engine: reward" in out
+    assert "| trl-engine |" in out and "| areal-engine |" in out
 
 
 def test_trl_generate_path_records_hf_generate_logprob_gap(real_checkpoint):

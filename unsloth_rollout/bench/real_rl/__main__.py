@@ -229,16 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "grpo_real.json").write_text(json.dumps(rec, indent=2) + "\n")
         plot(rec, out / "grpo_real.png")
 
-    def fmt(x):
-        return "-" if x is None else f"{x:.2e}"
+    from .record import markdown
 
-    b = rec["logprob_bounds"]
-    for name, r in rec["paths"].items():
-        s = r["summary"]
-        print(f"{name}: reward {s['first_mean_reward']:.3f} -> {s['last_mean_reward']:.3f} (first / last 5 steps), "
-              f"generation {s['generation_s_total']:.0f} s, training {s['train_s_total']:.0f} s, max |dlogp| vs "
-              f"trainer {fmt(s['logprob_diff_max'])} (bound {fmt(b['vs_trainer'])}), vs teacher-forced "
-              f"{fmt(s['oracle_diff_max'])} (bound {fmt(b['vs_teacher_forced'])})")
+    print(markdown(rec))
     return 0
 
 

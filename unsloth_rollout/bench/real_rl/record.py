@@ -140,3 +140,34 @@ def plot(record: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def markdown(rec: dict) -> str:
+    """The record's table: per path, reward first / last 5 steps, times, logprob gaps (what the READMEs quote)."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    b = rec["logprob_bounds"]
+    crit = rec.get("criteria", {})
+    lines = [f"{rec['title']}{' (PARTIAL: ' + str(rec['partial_steps_done']) + ')' if rec.get('partial') else ''}",
+             "", "| path | mean reward, first 5 -> last 5 steps | generation (s) | training (s) | "
+             "max \\|logprob - trainer's\\| | max \\|logprob - teacher-forced\\| |", "|---|---|---:|---:|---:|---:|"]
+    for name, r in rec["paths"].items():
+        s = r["summary"]
+        lines.append(f"| {name} | {f(s['first_mean_reward'], '.3f')} -> {f(s['last_mean_reward'], '.3f')} "
+                     f"({s['steps']} steps) | {s['generation_s_total']:.0f} | {s['train_s_total']:.0f} | "
+                     f"{f(s['logprob_diff_max'], '.1e')} | {f(s['oracle_diff_max'], '.1e')} |")
+    lines += ["", f"fp32 bounds (1.5x HF generate's own distance): vs trainer {f(b['vs_trainer'], '.1e')}, "
+                  f"vs teacher-forced {f(b['vs_teacher_forced'], '.1e')}.", ""]
+    for name, c in crit.items():
+        if not isinstance(c, dict):
+            continue
+        parts = [f"gain {c['reward_gain']:+.3f} (noise {c['reward_gain_noise']:.3f})"]
+        if "last_mean_reward_minus_trl_generate" in c:
+            parts.append(f"last 5 vs trl-generate {c['last_mean_reward_minus_trl_generate']:+.3f} "
+                         f"(noise {c['difference_noise']:.3f})")
+            parts.append(f"generation {c['generation_time_ratio_trl_generate_over_this']:.2f}x less")
+        parts.append(f"logprobs within bound every step: vs trainer {c['logprob_vs_trainer_within_bound_every_step']}, "
+                     f"vs teacher-forced {c['logprob_vs_teacher_forced_within_bound_every_step']}")
+        lines.append(f"- {name} (at step {crit.get('at_step')}): " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
