@@ -13,9 +13,12 @@ CLI (AReaL's config system: YAML plus ``key=value`` overrides)::
     torchrun --nproc-per-node 2 -m unsloth_rollout.areal.grpo --config ... rollout.backend=unsloth:d2 \\
         actor.backend=unsloth:d2
 
-``train_dataset.path: toy`` builds an offline toy dataset (random images for VLMs); any other path
-is loaded as geometry3k-style data (``problem`` with ``<image>``, ``images``, ``answer``). A model path
-``tiny:<arch>`` (e.g. ``tiny:qwen2_5_vl``) names an offline tiny random model.
+``train_dataset.path: toy`` builds an offline toy dataset (random images for VLMs); ``module:function`` calls
+that builder (``function(tokenizer, processor, **dataset_kwargs)`` -> list of items, e.g.
+``unsloth_rollout.bench.real_rl.task:areal_dataset``); any other path is loaded as geometry3k-style data
+(``problem`` with ``<image>``, ``images``, ``answer``). A model path ``tiny:<arch>`` (e.g. ``tiny:qwen2_5_vl``)
+names an offline tiny random model, ``real:<name>`` (e.g. ``real:smollm2-135m-instruct``) a real checkpoint of
+``unsloth_rollout.testing.real``.
 """
 
 from __future__ import annotations
@@ -53,12 +56,17 @@ class UnslothGRPOConfig(UnslothPPOConfig):
 
 
 def resolve_model_path(path: str) -> str:
-    """``tiny:<arch>[:<size>]`` -> the cached offline tiny model folder (see ``unsloth_rollout.testing.tiny``)."""
+    """``tiny:<arch>[:<size>]`` -> the cached offline tiny model folder (see ``unsloth_rollout.testing.tiny``);
+    ``real:<name>`` -> the converted real checkpoint (see ``unsloth_rollout.testing.real``)."""
     if isinstance(path, str) and path.startswith("tiny:"):
         from unsloth_rollout.testing.tiny import tiny_model_path
 
         arch, _, size = path[len("tiny:"):].partition(":")
         return str(tiny_model_path(arch, size or "tiny"))
+    if isinstance(path, str) and path.startswith("real:"):
+        from unsloth_rollout.testing.real import real_checkpoint_path
+
+        return str(real_checkpoint_path(path[len("real:"):]))
     return path
 
 
@@ -83,10 +91,16 @@ def _tokenizer_and_processor(path: str):
 
 
 def build_dataset(dataset_config, split: str, tokenizer, processor) -> list[dict[str, Any]]:
-    """``path: toy`` -> the offline toy set (``dataset_kwargs``: n, image_size, seed); else geometry3k-style."""
+    """``path: toy`` -> the offline toy set (``dataset_kwargs``: n, image_size, seed); ``module:function`` -> that
+    builder's items; else geometry3k-style."""
     kwargs = dict(getattr(dataset_config, "dataset_kwargs", None) or {})
     if dataset_config.path == "toy":
         return toy_dataset(tokenizer, processor, **kwargs)
+    module, sep, name = str(dataset_config.path).partition(":")
+    if sep and module and name and "/" not in module and not os.path.exists(dataset_config.path):
+        import importlib
+
+        return list(getattr(importlib.import_module(module), name)(tokenizer, processor, **kwargs))
     if processor is None:
         raise ValueError(f"train_dataset.path: {dataset_config.path!r} is geometry3k-style image data; "
                          "it needs a vision-language model")
@@ -108,9 +122,10 @@ def record_history(trainer) -> list[dict[str, float]]:
     return history
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+def main(argv: list[str] | None = None, setup=None) -> list[dict[str, float]]:
     """Train; returns the per-step statistics PPOTrainer logged (rewards, losses, timings; with dN
-    averaged over the replicas, the same on every rank)."""
+    averaged over the replicas, the same on every rank). ``setup(trainer, history)``, when given, runs
+    before training (instrumentation: ``unsloth_rollout.bench.real_rl`` records its logprob check there)."""
     from unsloth_rollout.areal import install
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
@@ -134,6 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     with PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid_ds) as trainer:
         history = record_history(trainer)
+        if setup is not None:
+            setup(trainer, history)
         trainer.train(workflow=workflow, workflow_kwargs=workflow_kwargs,
                       eval_workflow=workflow if valid_ds is not None else None, eval_workflow_kwargs=eval_kwargs)
     return history

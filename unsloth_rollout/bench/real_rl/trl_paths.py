@@ -1,0 +1,154 @@
+"""The two TRL paths of the real-weights GRPO run: GRPOTrainer with its own generate, and with the engine.
+
+Both load the same checkpoint with the same seeded LoRA, feed the same prompts in the same order (no
+shuffling), and differ only in ``rollout_func``. Generation time is the wall time of the trainer's
+``_generate(prompts)`` call (tokenization, generation, decoding: what GRPOTrainer does per step either way),
+training time the rest of the optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+from .checks import HFGenerateLogprobs, oracle_gap, spread
+from .settings import RunSettings, StepRecord, num_layers, resolve_model
+from .task import capital_rows, trl_capital_reward, trl_dataset
+
+LOGP_KEY = "sampling/sampling_logp_difference/max"
+
+
+def grpo_args(s: RunSettings, output_dir: str):
+    """The GRPOConfig both TRL paths train with."""
+    from ...trl.toy import grpo_config
+
+    return grpo_config(output_dir, s.steps, lr=s.lr, num_generations=s.group, prompts_per_step=s.prompts_per_step,
+                       max_completion_length=s.max_new_tokens, seed=s.seed, temperature=s.temperature,
+                       shuffle_dataset=False, loss_type="dapo", epsilon=0.2, scale_rewards="group")
+
+
+def load_policy(s: RunSettings):
+    import torch
+
+    from ...models import load_model
+
+    path = resolve_model(s.model)
+    lora = {"r": s.lora_r, "lora_alpha": s.lora_alpha, "random_state": s.seed}
+    targets = s.lora_targets(num_layers(path))
+    if targets is not None:
+        lora["target_modules"] = targets
+    torch.manual_seed(s.seed)
+    return load_model(path, backend="transformers", dtype=torch.float32, lora=lora)
+
+
+class _StepTimer:
+    """A TrainerCallback recording each optimizer step's wall time, reward and TRL's logprob check."""
+
+    def __init__(self, name: str, s: RunSettings, rf=None, on_step: Callable[[str, StepRecord], None] | None = None):
+        from transformers import TrainerCallback
+
+        self.name, self.s, self.rf, self.on_step = name, s, rf, on_step
+        self.gen_times: list[float] = []
+        self.comp_lens: list[float] = []
+        self.check_times: list[float] = []
+        self.oracle: list[float] = []
+        self.hf = None  # HFGenerateLogprobs on TRL's own generate path
+        self.records: list[StepRecord] = []
+        self._t0 = 0.0
+        self._wall: list[float] = []
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                timer._wall.append(time.perf_counter() - timer._t0)
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "reward" in logs:
+                    timer._record(state.global_step, logs)
+
+        self.callback = Callback()
+
+    def _record(self, step: int, logs: dict) -> None:
+        i = len(self.records)
+        gen = self.gen_times[i] if i < len(self.gen_times) else float("nan")
+        wall = self._wall[i] if i < len(self._wall) else float("nan")
+        check = self.check_times[i] if i < len(self.check_times) else 0.0
+        diff = logs.get(LOGP_KEY)
+        if self.hf is not None:
+            diff = self.hf.gaps[i] if i < len(self.hf.gaps) else None
+        versions = self.rf.history[i]["versions"] if self.rf is not None and i < len(self.rf.history) else []
+        rec = StepRecord(step=step, mean_reward=float(logs["reward"]), generation_s=gen, train_s=wall - gen - check,
+                         logprob_diff_max=None if diff is None else float(diff),
+                         oracle_diff_max=self.oracle[i] if i < len(self.oracle) else None, check_s=check,
+                         completion_tokens_mean=self.comp_lens[i] if i < len(self.comp_lens) else None,
+                         versions=list(versions))
+        self.records.append(rec)
+        if self.on_step is not None:
+            self.on_step(self.name, rec)
+
+
+def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None) -> list[StepRecord]:
+    """Train ``s.steps`` GRPO steps with TRL's GRPOTrainer; ``engine_path``: generate through the engine."""
+    import torch
+    from trl import GRPOTrainer
+
+    from ...engine import EngineConfig, RolloutEngine
+    from ...trl import rollout_func
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    policy = load_policy(s)
+    engine = rf = None
+    if engine_path:
+        cfg = engine_config or EngineConfig(kv_cache_memory_bytes=256 << 20, max_model_len=512)
+        engine = RolloutEngine(policy, cfg, seed=s.seed)
+        rf = rollout_func(engine)
+    name = "trl-engine" if engine_path else "trl-generate"
+    timer = _StepTimer(name, s, rf, on_step)
+    out_dir = tempfile.mkdtemp(prefix=f"unsloth_rollout_real_{name}_")
+    trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=trl_capital_reward,
+                          args=grpo_args(s, out_dir), train_dataset=trl_dataset(capital_rows(s.rows, s.seed)),
+                          rollout_func=rf, callbacks=[timer.callback])
+    if not engine_path:
+        timer.hf = HFGenerateLogprobs(trainer, policy.model, s.temperature)
+    generate = trainer._generate
+
+    def timed_generate(prompts):
+        t0 = time.perf_counter()
+        res = generate(prompts)
+        timer.gen_times.append(time.perf_counter() - t0)
+        prompt_ids, completion_ids = res[0], res[1]
+        timer.comp_lens.append(sum(len(c) for c in completion_ids) / max(1, len(completion_ids)))
+        # The oracle check runs before this step's optimizer update, on the weights that sampled.
+        t1 = time.perf_counter()
+        if engine_path:
+            samples = [(o.prompt_ids, o.output_ids, o.output_logprobs) for o in rf.last_outputs]
+        else:
+            samples = [(p, new[:len(c)], lp[:len(c)]) for (p, new, lp), c in zip(timer.hf.rows, completion_ids)]
+        timer.oracle.append(oracle_gap(policy, spread(samples, s.oracle_samples), s.temperature))
+        timer.check_times.append(time.perf_counter() - t1)
+        return res
+
+    trainer._generate = timed_generate
+    try:
+        trainer.train()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return timer.records
+
+
+def progress_line(name: str, rec: StepRecord, steps: int) -> None:
+    def fmt(x):
+        return "-" if x is None else f"{x:.1e}"
+
+    print(f"[{name}] step {rec.step}/{steps}  reward {rec.mean_reward:.3f}  generation {rec.generation_s:.1f} s  "
+          f"train {rec.train_s:.1f} s  max|dlogp| vs trainer {fmt(rec.logprob_diff_max)}, vs teacher-forced "
+          f"{fmt(rec.oracle_diff_max)}", file=sys.stderr, flush=True)
