@@ -156,7 +156,7 @@ class StaticDecode:
         m = self.runner.policy.model
         peft = getattr(m, "peft_config", None)
         return (id(m), m.training, str(getattr(m, "active_adapter", None)), tuple(sorted(peft or ())),
-                self.runner.base_default, self.runner._inner)
+                tuple(sorted(getattr(self.runner.policy, "served_adapters", None) or ())), self.runner._inner)
 
     def _call(self, args, fn=None):
         cfg = self.runner._text_config
