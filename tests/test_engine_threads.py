@@ -92,6 +92,44 @@ def test_the_worker_exits_when_idle_and_frees_its_team(engine, qwen2_lora_policy
     assert eventually(lambda: not engine_threads())
 
 
+needs_team = pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: no OpenMP team to free")
+
+
+@needs_team
+def test_release_thread_team_frees_only_the_calling_threads_team():
+    from unsloth_rollout.engine.omp import release_thread_team
+
+    torch.ones(1 << 16).sum()
+    with_team = os_threads()
+    assert release_thread_team(), "no OpenMP runtime took omp_pause_resource_all"
+    assert os_threads() == with_team - (torch.get_num_threads() - 1)
+    torch.ones(1 << 16).sum()  # the next parallel op builds the team again
+    assert os_threads() == with_team
+
+
+@needs_team
+def test_while_the_worker_steps_the_submitting_thread_holds_no_team(engine, qwen2_lora_policy):
+    """The event loop's thread frees its team when it starts the worker: during the worker's steps the process
+    has the worker and one team (its), not two teams on two cores."""
+    before = os_threads()  # this thread's team, no worker
+    counts = []
+    step = engine.core.step
+
+    def counting_step():
+        counts.append(os_threads())
+        return step()
+
+    engine.core.step = counting_step
+
+    async def run():
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs(qwen2_lora_policy, tag="t")))
+
+    asyncio.run(run())
+    assert len(counts) >= 3
+    # From the second step the worker's team exists; one extra thread (the worker itself), not a second team.
+    assert max(counts[1:]) <= before + 1, (before, counts)
+
+
 def test_paused_work_holds_no_thread_and_resumes(engine, qwen2_lora_policy):
     engine.pause(holder="trainer")
     futs = [engine.submit(r) for r in reqs(qwen2_lora_policy, tag="p")]
@@ -151,5 +189,6 @@ def test_overhead_ratios_on_a_small_model():
 
     report = run_overhead(layers=12, batch=16, steps=8, train_batch=4, train_tokens=64, rounds=3, progress=False)
     assert report["ratios"]["decode_generate_vs_main"] <= GOAL_RATIO, report["ratios"]
+    assert report["ratios"]["decode_worker_vs_main"] <= GOAL_RATIO, report["ratios"]
     assert report["ratios"]["train_after_generate_vs_no_engine"] <= GOAL_RATIO, report["ratios"]
     assert report["ratios"]["train_after_agenerate_vs_no_engine"] <= GOAL_RATIO, report["ratios"]

@@ -36,6 +36,7 @@ from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names, stats_tracker
 
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
+from ..engine.omp import release_thread_team
 from ..models import PolicyModel, load_model
 from ._spec import is_unsloth_backend, parse_unsloth_backend
 from .openai_compat import UnslothModelResponse
@@ -393,9 +394,11 @@ class UnslothInferenceEngine(InferenceEngine):
                                              is_eval=is_eval)
 
     def wait(self, count: int, timeout: float | None = None, raise_timeout: bool = True) -> list[dict | None]:
+        release_thread_team()  # the trainer thread waits while the engine's worker generates
         return self.workflow_executor.wait(count, timeout=timeout, raise_timeout=raise_timeout)
 
     def wait_for_task(self, task_id: int, timeout: float | None = None, raise_timeout: bool = True):
+        release_thread_team()
         return self.workflow_executor.wait_for_task(task_id, timeout, raise_timeout)
 
     def rollout_batch(self, data: list[dict[str, Any]], workflow, workflow_kwargs: dict[str, Any] | None = None,
@@ -405,6 +408,7 @@ class UnslothInferenceEngine(InferenceEngine):
         if workflow is None:
             raise ValueError("workflow must be specified for rollout_batch")
         resolved = self._resolve_workflow(workflow, workflow_kwargs, group_size)
+        release_thread_team()
         return self.workflow_executor.rollout_batch(data=data, workflow=resolved)
 
     def prepare_batch(self, dataloader, workflow, workflow_kwargs: dict[str, Any] | None = None,
@@ -416,6 +420,7 @@ class UnslothInferenceEngine(InferenceEngine):
             raise ValueError("workflow must be specified for prepare_batch")
         resolved = self._resolve_workflow(workflow, workflow_kwargs, group_size)
         accept = self._resolve_should_accept_fn(should_accept_fn)
+        release_thread_team()
         return self.workflow_executor.prepare_batch(dataloader=dataloader, workflow=resolved,
                                                     should_accept_fn=accept, dynamic_bs=dynamic_bs)
 

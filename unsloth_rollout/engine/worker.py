@@ -10,6 +10,7 @@ main thread's forwards 4.4x slower). A thread's team is freed only when the thre
 - requests nobody waits for on a thread (``agenerate``, ``stream``, the server) are stepped by a worker
   thread that exits as soon as nothing can run (idle, or paused), so its team is freed before the trainer's
   next step, and is started again on demand; it also steps aside (exits) when a caller comes to drive.
+  The thread that starts a worker frees its own team first (``omp.release_thread_team``): it is about to wait.
 
 Exactly one thread owns the drive at a time (``owner``); ``step_lock`` is held for each step, whoever runs it.
 """
@@ -22,6 +23,7 @@ import threading
 import time
 
 from .attention import ModelNotServableError
+from .omp import release_thread_team
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -114,6 +116,9 @@ class StepDriver:
             t = threading.Thread(target=self._worker_loop, name=WORKER_NAME, daemon=True)
             self.owner = self.worker = t
             self.workers_started += 1
+        # This thread now waits (or serves HTTP) while the worker runs the model: free its OpenMP team, or
+        # the two teams oversubscribe the cores and every op of the worker's steps pays a futex wake-up.
+        release_thread_team()
         t.start()
 
     def _worker_loop(self) -> None:
