@@ -231,8 +231,10 @@ class GreedyOracle:
     def __init__(self, model_dir: str, tie: float = 1e-4, lp_tol: float = 1e-3, model=None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        from unsloth_rollout.models.families import is_vlm_config
+
         cfg = AutoConfig.from_pretrained(model_dir)
-        is_vlm = hasattr(cfg, "vision_config")
+        is_vlm = is_vlm_config(cfg)
         cls = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
         self.model = model if model is not None else cls.from_pretrained(model_dir, dtype=torch.float32).eval()
         ids = [getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",

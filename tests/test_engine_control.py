@@ -137,9 +137,9 @@ def test_preemption_under_a_small_kv_budget_keeps_parity(policy):
 
 def engine_bytes_per_token(policy):
     from unsloth_rollout.engine.kv_cache import KVCache
-    from unsloth_rollout.engine.runner import _text_dims
+    from unsloth_rollout.models.families import text_dims
 
-    return KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    return KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
 
 
 def test_agenerate_from_many_threads_and_loops_and_stream(policy):

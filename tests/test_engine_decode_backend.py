@@ -16,7 +16,7 @@ from unsloth_rollout.engine.core import EngineCore
 from unsloth_rollout.engine.decode_backend import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
 
 
@@ -65,7 +65,7 @@ def test_workspace_rows_follow_the_pool_through_joins_leaves_and_new_incarnation
 
 
 def _core(policy, backend: str, kv_tokens: int | None = None, **kw) -> EngineCore:
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     budget = per_token * kv_tokens if kv_tokens else 64 << 20
     return EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, decode_backend=backend,
                                            **kw), seed=0)

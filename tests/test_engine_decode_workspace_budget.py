@@ -13,7 +13,7 @@ from unsloth_rollout.engine.core import EngineCore
 from unsloth_rollout.engine.decode_backend import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.testing.oracles import teacher_forced
 
@@ -32,7 +32,7 @@ def _mix(policy):
 def test_one_long_row_beside_many_short_stays_inside_the_budget(qwen2_dir, budget):
     policy = load_model(qwen2_dir, backend="transformers")
     prompts, max_new = _mix(policy)
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     need = sum(len(p) + m for p, m in zip(prompts, max_new))
     kv_bytes = int(need * 1.3) * per_token  # the KV budget 30% above what the batch needs
     ws_bytes = None if budget is None else kv_bytes // 2

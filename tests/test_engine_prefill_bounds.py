@@ -11,7 +11,7 @@ from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.core import EngineCore
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.testing.oracles import teacher_forced
 
@@ -40,7 +40,7 @@ def _largest_prefill(shapes) -> int:
 
 
 def _core(policy, kv_tokens: int | None = None, **kw) -> EngineCore:
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     budget = per_token * kv_tokens if kv_tokens else 16 << 20
     return EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, prefill_chunk_tokens=CHUNK,
                                            **kw), seed=0)

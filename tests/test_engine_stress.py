@@ -13,7 +13,7 @@ import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 
 WORDS = "alice bob carol dave the red blue apples count seven twelve market house book".split()
 
@@ -22,7 +22,7 @@ WORDS = "alice bob carol dave the red blue apples count seven twelve market hous
                                                                                    id="full")])
 def test_churn_loses_nothing(qwen2_dir, n_requests):
     policy = load_model(qwen2_dir, backend="transformers")
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=per_token * 16 * 24, max_num_seqs=32,
                                                 max_prefill_tokens=256))
     rng = random.Random(0)

@@ -17,7 +17,7 @@ import torch
 from conftest import perturb_lora, run_staggered, teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.testing.families import FAMILIES, family_model_path
 
 WORDS = ("the quick brown fox jumps over a lazy dog while Alice and Bob count 12 + 7 = 19 apples in Paris "
@@ -48,7 +48,7 @@ def hf_greedy(policy, ids: list[int]) -> list[int]:
 def test_family_mixed_batch_exact(family):
     policy = load_family(family)
     tok = policy.tokenizer
-    layers, kv_heads, head_dim = _text_dims(policy.text_config)
+    layers, kv_heads, head_dim = text_dims(policy.text_config)
     per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, torch.float32)
     # 24 blocks of 8 tokens: far less than the 16 sequences need together, so some are preempted.
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=per_token * 8 * 24, block_size=8), seed=0)

@@ -15,7 +15,8 @@ import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
 from unsloth_rollout.testing.adapters import (VLM_SERVED, adapter_oracle, hf_greedy, images, lora_policy,
-                                              processor_inputs, save_adapter, vlm_path)
+                                              processor_inputs, save_adapter)
+from unsloth_rollout.testing.families import family_path
 from unsloth_rollout.testing.oracles import teacher_forced
 
 MAX_NEW = 6
@@ -54,7 +55,7 @@ def check_exact(policy, out, enc, suppress, what: str) -> None:
 
 @pytest.mark.parametrize("family", VLM_SERVED)
 def test_named_vision_lora_adapter_exact_in_mixed_packs(family, tmp_path):
-    path = vlm_path(family)
+    path = family_path(family)
     a1 = save_adapter(path, tmp_path / "a1", seed=1, r=4)
     policy = lora_policy(path, seed=0, r=8)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)
@@ -96,7 +97,7 @@ def test_failed_forward_leaves_the_shared_model_as_fresh(family, tmp_path):
     """A forward that raises mid-model (in a named prefill with images, then in a decode step mixing adapters)
     fails only its rows; afterwards the trainer's forward (eval and train mode) and unnamed requests equal a fresh
     model's, and named requests are still exact."""
-    path = vlm_path(family)
+    path = family_path(family)
     a1 = save_adapter(path, tmp_path / "a1", seed=1, r=4)
     policy, fresh = lora_policy(path, seed=0), lora_policy(path, seed=0)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)

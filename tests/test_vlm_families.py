@@ -19,7 +19,7 @@ import torch
 from conftest import perturb_lora, random_images, run_staggered, teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.testing.vlm_families import VLM_FAMILIES, vlm_family_path
 
 WORDS = ("the quick brown fox jumps over a lazy dog while Alice and Bob count 12 + 7 = 19 apples in Paris "
@@ -70,7 +70,7 @@ def test_vlm_family_mixed_batch_exact(family):
                               sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, n=4, seed=7))
     encodings = [processor_inputs(policy, r) for r in greedy]
 
-    layers, kv_heads, head_dim = _text_dims(policy.text_config)
+    layers, kv_heads, head_dim = text_dims(policy.text_config)
     per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, torch.float32)
     # Blocks of 8 tokens for about 4 of the 16 sequences at once (and the longest alone): far less than they
     # need together, so some are preempted and recomputed with their images.

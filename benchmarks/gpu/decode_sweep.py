@@ -31,7 +31,7 @@ from unsloth_rollout.bench.harness import copy_bandwidth_gbs, machine_info, text
 from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.engine.config import parse_bytes
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.engine.runner import _text_dims
+from unsloth_rollout.models.families import text_dims
 
 NOMINAL_HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured about this (read + write)
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     policy.inference()
     device = policy.device
     wbytes, _, _ = text_weights(policy)
-    kv_tok = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    kv_tok = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 30) if device.type == "cuda" else copy_bandwidth_gbs(device)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                                                 max_num_seqs=max(batches)))

@@ -67,10 +67,10 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int)
     from ..engine.core import EngineCore
     from ..engine.inputs import PreparedPrompt
     from ..engine.kv_cache import KVCache
-    from ..engine.runner import _text_dims
+    from ..models.families import text_dims
     from ..engine.sequence import Sequence
 
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     kv_bytes = int(per_token * batch * (context + steps + 64) * 1.1)
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=backend,
                                            max_num_seqs=batch), seed=seed)
@@ -162,7 +162,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
     """Run the long-context decode measurement; returns the report dict that ``--json`` writes."""
     from ..engine.decode_backend import DECODE_BACKENDS
     from ..engine.kv_cache import KVCache
-    from ..engine.runner import _text_dims
+    from ..models.families import text_dims
     from ..models import load_model
     from ..testing.oracles import perturb_lora
     from .harness import cpu_pressure, machine_info, model_path
@@ -181,7 +181,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
     if lora:
         perturb_lora(policy.model, std=0.02, seed=seed)
     policy.inference()
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     load0 = os.getloadavg()
     configs = [(b, c) for b in backends for c in contexts]
     cores = {}

@@ -98,7 +98,7 @@ def run_overhead(model: str = "tiny-lm", layers: int = 36, batch: int = 64, step
     from ..engine.inputs import PreparedPrompt
     from ..engine.kv_cache import KVCache
     from ..engine.request import GenerationRequest
-    from ..engine.runner import _text_dims
+    from ..models.families import text_dims
     from ..engine.sequence import Sequence
     from .harness import cpu_pressure, machine_info
 
@@ -141,7 +141,7 @@ def run_overhead(model: str = "tiny-lm", layers: int = 36, batch: int = 64, step
     rows = {k: [] for k in ("main_step_ms", "generate_step_ms", "worker_step_ms", "train_no_engine_ms",
                             "train_after_generate_ms", "train_after_agenerate_ms", "train_beside_idle_thread_ms")}
     rows["train_no_engine_ms"].append(train_ms())
-    per_token = KVCache.bytes_per_token(*_text_dims(policy.text_config), policy.dtype)
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=int(per_token * batch * (steps + 40) * 1.2),
                                                 max_num_seqs=batch, prefix_cache=False), seed=seed)
     timer = DecodeSteps(engine.core)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..models.families import text_dims
 from .attention import ModelNotServableError
 from .config import EngineConfig
 from .constraints import GrammarCompiler
@@ -24,7 +25,7 @@ from .inputs import InputPreparer
 from .kv_cache import KVCache
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry, prefix_key
-from .runner import ModelRunner, _text_dims
+from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .scoring import PromptScorer
@@ -49,7 +50,7 @@ def _available_memory_bytes(device: torch.device) -> int:
 
 def build_kv_cache(policy, config: EngineConfig) -> KVCache:
     """The paged KV cache, sized from ``kv_cache_memory_bytes`` (or a fraction of free memory)."""
-    layers, kv_heads, head_dim = _text_dims(policy.text_config)
+    layers, kv_heads, head_dim = text_dims(policy.text_config)
     dtype = policy.dtype if policy.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
     device = policy.device
     per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)

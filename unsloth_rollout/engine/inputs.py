@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..models.families import family_of
 from .config import InvalidRequestError
 from .request import GenerationRequest
 
@@ -27,9 +28,6 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 # Formats PIL may decode from a request. Without a list PIL tries every plugin it has, EPS included, whose
 # load() runs Ghostscript on the client's PostScript: a program from the request, evaluated.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
-# Families whose image tokens the engine expands itself from image_grid_thw (one placeholder token per merged
-# patch); every other family's own processor expands its placeholders.
-GRID_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Processor outputs that are not model inputs of the prefill forward (masks and token types the engine
 # derives from its own bookkeeping).
 _NOT_FORWARDED = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "num_crops")
@@ -175,7 +173,8 @@ class InputPreparer:
         self.video_token_id = getattr(cfg, "video_token_id", None)
         vis = getattr(cfg, "vision_config", None)
         self.merge_size = getattr(vis, "spatial_merge_size", 2) if vis is not None else 2
-        self.grid = getattr(cfg, "model_type", None) in GRID_FAMILIES
+        # The engine expands image placeholders from image_grid_thw itself (Qwen-VL); else the processor does.
+        self.grid = family_of(cfg).grid_images
 
     def _token_id(self, token) -> int | None:
         if not isinstance(token, str):

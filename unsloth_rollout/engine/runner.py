@@ -1,7 +1,7 @@
 """ModelRunner: one batched forward of the policy with the engine-owned KV cache.
 
-The model is only asked for ``forward()``. Positions are given explicitly per row (M-RoPE
-positions for Qwen-VL: text position + the row's rope delta in all three sections). Masks are not
+The model is only asked for ``forward()``. Positions are given explicitly per row, with each prompt's vision
+inputs, by ``PromptVision`` (vision.py: M-RoPE for Qwen-VL, image blocks, packing rules). Masks are not
 the model's business: each forward carries a ``ForwardContext`` that the engine's attention function
 (attention.py) builds every layer's mask from, and that checks every layer used the engine's cache.
 ``_static_decode`` has fixed-rank inputs so a compiled variant can replace the eager decode.
@@ -15,69 +15,11 @@ import numpy as np
 import torch
 
 from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
-from ..models.families import check_supported
+from ..models.families import check_supported, text_dims
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
-from .inputs import mm_token_type_ids
 from .decode_backend import DECODE_BACKENDS, DecodeWorkspace
 from .kv_cache import CacheView, KVCache
-
-# Families whose image tokens attend bidirectionally within one image in prefill (transformers builds the mask
-# from token_type_ids; the engine from the image token's runs, see image_block_ids).
-BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3",)
-
-
-def image_block_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
-    """[B, L] id of the image each token belongs to (-1: text): one id per run of consecutive image tokens,
-    as Gemma 3's ``get_block_sequence_ids_for_mask`` numbers them. None when there is no image token."""
-    is_image = input_ids == image_token_id
-    if not bool(is_image.any()):
-        return None
-    prev = torch.nn.functional.pad(is_image, (1, 0), value=False)[:, :-1]
-    ids = torch.cumsum((is_image & ~prev).int(), dim=1) - 1
-    return torch.where(is_image, ids, torch.full_like(ids, -1))
-
-def _text_dims(cfg) -> tuple[int, int, int]:
-    layers = cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return layers, kv, head_dim
-
-
-# Families whose processor outputs concatenate across prompts along a known image dimension (the model fills
-# image tokens in order). Mistral 3 pads each prompt's images to its largest and crops them back by image_sizes;
-# Idefics3's crops are one fixed size, counted by pixel_attention_mask.
-PACK_DIMS = {
-    "mistral3": {"pixel_values": 0, "image_sizes": 0},
-    "idefics3": {"pixel_values": 1, "pixel_attention_mask": 1},
-}
-
-
-def concat_vision_inputs(mms: list[dict], dims: dict | None) -> dict:
-    """One forward's vision inputs from several prompts' (in prompt order). Qwen-VL: flat patches and grid
-    rows; one-image-per-row pixels: along rows (equal shapes, else it raises and the prompts run alone);
-    ``dims`` (PACK_DIMS): each key along its image dimension, the trailing (spatial) dimensions zero-padded to
-    the largest, as the family's processor pads the images of one batch."""
-    keys = set(mms[0])
-    if any(set(m) != keys for m in mms):
-        raise ValueError("prefill_packed: prompts with different vision inputs")
-    out = {}
-    for k in keys:
-        ts = [m[k] for m in mms]
-        d = (dims or {}).get(k, 0)
-        if dims is not None and k not in dims:
-            raise ValueError(f"prefill_packed: no image dimension known for {k!r}")
-        if dims is not None and ts[0].dim() > d + 1:  # pad the dimensions after the image one to a common size
-            size = [max(t.shape[j] for t in ts) for j in range(d + 1, ts[0].dim())]
-            padded = []
-            for t in ts:
-                pad = []
-                for j in reversed(range(d + 1, t.dim())):
-                    pad += [0, size[j - d - 1] - t.shape[j]]
-                padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
-            ts = padded
-        out[k] = torch.cat(ts, dim=d)
-    return out
+from .vision import PromptVision
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -105,21 +47,15 @@ class ModelRunner:
                           if self.decode_backend in ("workspace", "static") else None)
         kv_cache.on_release.append(self.release_workspace)
         self.device = policy.device
-        cfg = policy.config
-        self.image_token_id = getattr(cfg, "image_token_id", None)
-        # M-RoPE (Qwen-VL): the model computes 3-D positions with get_rope_index; other VLMs use 1-D positions.
-        self._rope_index = self._find_rope_index() if policy.is_vlm else None
-        self.mrope = self._rope_index is not None
-        # Image tokens that attend bidirectionally within their image in prefill (Gemma 3's token_type_ids).
-        self.model_type = getattr(cfg, "model_type", None)
-        self.image_blocks = self.model_type in BIDIRECTIONAL_IMAGE_FAMILIES
         check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
+        # Positions (M-RoPE too), vision inputs, image blocks and packing rules of this family's prompts.
+        self.vision = PromptVision(policy, self.device)
         register()
         # The decoder's config; its attention implementation is switched to the engine's during engine forwards,
         # whose arithmetic follows the implementation the model was configured with (as in training).
         self._text_config = policy.text_config
         self._inner = inner_implementation(getattr(self._text_config, "_attn_implementation", None))
-        self.num_layers = _text_dims(self._text_config)[0]
+        self.num_layers = text_dims(self._text_config)[0]
         # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated there).
         params = inspect.signature(policy.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -134,28 +70,6 @@ class ModelRunner:
             from .decode_static import StaticDecode
 
             self.static = StaticDecode(self, compile_mode)
-
-    def _find_rope_index(self):
-        m = self.policy.base_model
-        for obj in (getattr(m, "model", None), m):
-            fn = getattr(obj, "get_rope_index", None)
-            if fn is not None:
-                return fn
-        return None
-
-    # ------------------------------------------------------------------ positions
-    def mrope_positions(self, ids: list[int], grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """[3, 1, L] M-RoPE positions of a prompt and its rope delta."""
-        t = torch.tensor([ids], device=self.device)
-        if grid is None:
-            pos = torch.arange(len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
-            return pos, 0
-        kwargs = {"image_grid_thw": grid.to(self.device), "attention_mask": torch.ones_like(t)}
-        params = inspect.signature(self._rope_index).parameters
-        if "mm_token_type_ids" in params:
-            kwargs["mm_token_type_ids"] = mm_token_type_ids(t, self.policy.config)
-        pos, delta = self._rope_index(t, **kwargs)
-        return pos, int(delta.view(-1)[0])
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
@@ -188,27 +102,6 @@ class ModelRunner:
         served = getattr(self.policy, "served_adapters", {})  # a name unloaded meanwhile maps to one PEFT lacks
         return [default if n is None else served.get(n, f"<unloaded {n}>") for n in names]
 
-    def _prompt_inputs(self, ids: list[int], prompt):
-        """(position_ids [1, L] or M-RoPE [3, 1, L], rope_delta, vision inputs) of one prompt."""
-        pixel_values = getattr(prompt, "pixel_values", None)
-        image_grid_thw = getattr(prompt, "image_grid_thw", None)
-        extra = getattr(prompt, "extra", None)
-        delta = 0
-        mm = {}
-        if self.mrope:
-            position_ids, delta = self.mrope_positions(ids, image_grid_thw)
-        else:
-            position_ids = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        if pixel_values is not None:
-            mm = {"pixel_values": pixel_values.to(self.device, self.policy.dtype)}
-            if image_grid_thw is not None:
-                mm["image_grid_thw"] = image_grid_thw.to(self.device)
-            for k, v in (extra or {}).items():
-                if isinstance(v, torch.Tensor):
-                    v = v.to(self.device, self.policy.dtype) if v.is_floating_point() else v.to(self.device)
-                mm[k] = v
-        return position_ids, delta, mm
-
     def prefill(self, ids: list[int], slots: list[int], prompt=None, adapter: str | None = None, scorer=None):
         """Run a whole prompt (batch of one) from position 0, writing its KV into ``slots``; ``prompt``: the
         PreparedPrompt whose vision inputs it carries (``ids`` may extend its tokens with earlier output, when
@@ -216,8 +109,8 @@ class ModelRunner:
         outputs (``prompt.extra``: image_sizes, pixel_attention_mask, ...). ``scorer``: a PromptScorer that gets
         every position's logits (scoring requests). Returns (logits [V], rope_delta)."""
         input_ids = torch.tensor([ids], device=self.device)
-        position_ids, delta, mm = self._prompt_inputs(ids, prompt)
-        block = self._image_blocks(input_ids)
+        position_ids, delta, mm = self.vision.prompt_inputs(ids, prompt)
+        block = self.vision.image_blocks(input_ids)
         ctx = ForwardContext.prefill(len(ids), self.device, block)
         view = CacheView(self.kv, torch.tensor(slots, device=self.device), None, 0, ctx)
         keep = None if scorer is None else torch.arange(len(ids), device=self.device)
@@ -256,7 +149,7 @@ class ModelRunner:
         positions (M-RoPE included) the whole prompt gives them. The new tokens must hold no image placeholders
         (their pixels would be needed). Returns (logits [V], rope_delta)."""
         dev = self.device
-        position_ids, delta, _ = self._prompt_inputs(ids, prompt)  # positions of the whole prompt; no pixels
+        position_ids, delta, _ = self.vision.prompt_inputs(ids, prompt)  # positions of the whole prompt; no pixels
         n = len(ids)
         input_ids = torch.tensor([ids[start:]], device=dev)
         q_pos = torch.arange(start, n, device=dev).unsqueeze(0)
@@ -272,36 +165,15 @@ class ModelRunner:
         scorer.add(start, logits)
         return logits[-1], delta
 
-    def _image_blocks(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Image-block ids for the prefill mask of families whose image tokens attend bidirectionally."""
-        if self.image_blocks and self.image_token_id is not None:
-            return image_block_ids(input_ids, self.image_token_id)
-        return None
-
     def _decode_inputs(self, tokens: list[int], lengths: list[int], deltas: list[int]):
         """(input_ids [B, 1], positions [B, 1] or M-RoPE [3, B, 1], lengths [B]) of a decode step's rows."""
         dev, b = self.device, len(tokens)
         lens_t = torch.tensor(lengths, device=dev)
-        pos = lens_t.view(b, 1)
-        if self.mrope:
-            pos = (pos + torch.tensor(deltas, device=dev).view(b, 1)).unsqueeze(0).expand(3, b, 1)
-        return torch.tensor(tokens, device=dev).view(b, 1), pos, lens_t
+        return torch.tensor(tokens, device=dev).view(b, 1), self.vision.decode_positions(lens_t, deltas), lens_t
 
     def can_pack(self, prompt) -> bool:
-        """Whether a prompt may share a packed prefill forward: text, or images of a family whose vision inputs
-        concatenate across prompts in prompt order: Qwen-VL (flat patches + one grid row per image), one
-        ``[C, H, W]`` image per row and nothing else (Gemma 3, Llava), or a family in ``PACK_DIMS`` whose
-        processor outputs all have a known image dimension (Mistral 3, Idefics3). Other prompts prefill alone."""
-        pixels = getattr(prompt, "pixel_values", None)
-        if pixels is None:
-            return True
-        extra = getattr(prompt, "extra", None) or {}
-        rule = PACK_DIMS.get(self.model_type)
-        if rule is not None:
-            return set(extra) | {"pixel_values"} <= set(rule)
-        if extra:
-            return False
-        return getattr(prompt, "image_grid_thw", None) is not None or pixels.dim() == 4
+        """Whether a prompt may share a packed prefill forward (``PromptVision.can_pack``)."""
+        return self.vision.can_pack(prompt)
 
     def prefill_packed(self, items: list[tuple], adapter: str | None = None, scorers: list | None = None):
         """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``; a lone item may add ``start``,
@@ -317,9 +189,9 @@ class ModelRunner:
         all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
         vision, kept = [], []  # kept: packed positions whose logits come back (every one of a scored prompt)
         for i, (ids, slots, prompt) in enumerate(items):
-            if not self.can_pack(prompt):
+            if not self.vision.can_pack(prompt):
                 raise ValueError("prefill_packed: a prompt with non-concatenable vision inputs")
-            pos, delta, mm = self._prompt_inputs(ids, prompt)
+            pos, delta, mm = self.vision.prompt_inputs(ids, prompt)
             positions.append(pos)
             deltas.append(delta)
             if mm:
@@ -335,8 +207,8 @@ class ModelRunner:
             lasts.append(len(kept) - 1)  # where prompt i's last position sits among the kept rows
         input_ids = torch.tensor([all_ids], device=dev)
         position_ids = torch.cat(positions, dim=-1)
-        mm = concat_vision_inputs(vision, PACK_DIMS.get(self.model_type)) if vision else {}
-        block = self._image_blocks(input_ids)
+        mm = self.vision.pack(vision)
+        block = self.vision.image_blocks(input_ids)
         pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
         ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
         view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .families import UnsupportedModelError, check_supported  # noqa: F401  (re-exported)
-from .policy import VLM_MODEL_TYPES, PolicyModel
+from .families import check_supported, is_vlm_config
+from .policy import PolicyModel
 from .processor import load_processor
 
 logger = logging.getLogger("unsloth_rollout")
@@ -210,7 +210,7 @@ def load_model(
 
     config = AutoConfig.from_pretrained(path)
     check_supported(config, allow_unverified_family)
-    is_vlm = getattr(config, "model_type", "") in VLM_MODEL_TYPES or hasattr(config, "vision_config")
+    is_vlm = is_vlm_config(config)
     chosen, reason = resolve_backend(backend, is_vlm, getattr(config, "model_type", None))
     logger.info("unsloth_rollout: backend=%s (%s)", chosen, reason)
     dtype = _default_dtype(dtype)

@@ -20,11 +20,9 @@ from typing import Any
 
 import torch
 
-from .families import check_supported
+from .families import check_supported, is_vlm_config
 
 logger = logging.getLogger("unsloth_rollout")
-
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -112,7 +110,7 @@ class PolicyModel:
             mod = type(model).__module__ + " " + type(_unwrap(model)).__module__
             backend = "unsloth" if "unsloth" in mod or getattr(model, "_unsloth_policy", False) else "transformers"
         config = _unwrap(model).config
-        is_vlm = getattr(config, "model_type", "") in VLM_MODEL_TYPES or hasattr(config, "vision_config")
+        is_vlm = is_vlm_config(config)
         gc = bool(getattr(_unwrap(model), "is_gradient_checkpointing", False))
         check_supported(config, allow_unverified_family)
         return cls(model=model, tokenizer=tokenizer, processor=processor, backend=backend, is_vlm=is_vlm,

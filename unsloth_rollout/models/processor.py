@@ -29,25 +29,26 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from .families import family_of
+
 try:  # transformers >= 5.17 splits the PIL and torchvision image processors
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil as _ImageProcessor,
+        Qwen2VLImageProcessorPil as QwenVLPilImageProcessor,
     )
 except ImportError:  # older releases: the plain class is the PIL one
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as _ImageProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+        Qwen2VLImageProcessor as QwenVLPilImageProcessor,
+    )
 
 logger = logging.getLogger("unsloth_rollout")
 
 __all__ = [
-    "VLM_MODEL_TYPES",
+    "QwenVLPilImageProcessor",
     "Qwen2VLImageOnlyProcessor",
     "Qwen2_5_VLImageOnlyProcessor",
     "Qwen3VLImageOnlyProcessor",
-    "is_vlm_config",
     "load_processor",
 ]
-
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 # Files whose "processor_class" names the processor that saved the folder.
 _PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
@@ -82,7 +83,7 @@ class _ImageOnlyMixin:
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         # Load the PIL image processor explicitly: AutoImageProcessor may pick a torchvision class.
-        image_processor = _ImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        image_processor = QwenVLPilImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
         return [image_processor, tokenizer]
 
@@ -162,19 +163,6 @@ def ensure_pixtral_importable() -> None:
     sys.modules[name] = stand_in
 
 
-def is_vlm_config(config: Any) -> bool:
-    """True when ``config`` describes a vision-language model (a Qwen2-VL family type or any vision tower).
-
-    Example::
-
-        >>> is_vlm_config(AutoConfig.from_pretrained("path/to/qwen2_5_vl"))
-        True
-    """
-    if getattr(config, "model_type", None) in VLM_MODEL_TYPES:
-        return True
-    return getattr(config, "vision_config", None) is not None
-
-
 def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixin | None:
     """Load the multimodal processor of a model folder, or return None for a text-only model.
 
@@ -191,9 +179,10 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
     path = os.fspath(path)
     if config is None:
         config = AutoConfig.from_pretrained(path)
-    if not is_vlm_config(config) and not _has_preprocessor_config(path):
+    family = family_of(config)
+    if not family.vlm and not _has_preprocessor_config(path):
         return None
-    if getattr(config, "model_type", None) in ("mistral3", "pixtral", "llava"):  # Llava folders of Pixtral too
+    if family.pixtral_processor:
         ensure_pixtral_importable()
 
     try:
@@ -205,15 +194,15 @@ def load_processor(path: str | os.PathLike, config: Any = None) -> ProcessorMixi
             return processor
         reason, cause = f"AutoProcessor returned a {type(processor).__name__} without an image processor", None
 
-    model_type = getattr(config, "model_type", None)
-    if model_type in ("mistral3", "pixtral"):
+    model_type = family.model_type
+    if family.processor_fallback == "pixtral":
         # AutoProcessor's lazy PixtralProcessor is a placeholder demanding torchvision; the class itself,
         # imported from its module (ensure_pixtral_importable), runs on the PIL image processor.
         from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 
         logger.warning("load_processor(%s): %s; using PixtralProcessor with the PIL image processor", path, reason)
         return PixtralProcessor.from_pretrained(path)
-    fallback = _IMAGE_ONLY_PROCESSORS.get(model_type)
+    fallback = _IMAGE_ONLY_PROCESSORS[model_type] if family.processor_fallback == "image_only" else None
     if fallback is None:
         processor = _with_pil_image_processor(path, model_type)
         if processor is not None:

@@ -3,7 +3,7 @@ tower saved to disk, and the oracle model that runs one of them from fresh weigh
 
 Example::
 
-    path = vlm_path("gemma3")
+    path = family_path("gemma3")
     save_adapter(path, "/tmp/a1", seed=1)                   # LoRA on language and vision layers, non-zero B
     oracle = adapter_oracle(path, "/tmp/a1")                # a PolicyModel with only that adapter, for HF generate
 """
@@ -13,21 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..models.families import served_families
 from .oracles import perturb_lora
 
-# Every VLM family the engine serves: Qwen-VL from testing.tiny, the rest from testing.vlm_families.
-VLM_SERVED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "idefics3", "mistral3")
-
-
-def vlm_path(family: str) -> str:
-    """The cached tiny model folder of a served VLM family."""
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        from .tiny import tiny_model_path
-
-        return str(tiny_model_path(family, "tiny"))
-    from .vlm_families import vlm_family_path
-
-    return str(vlm_family_path(family))
+VLM_SERVED = served_families(vlm=True)  # every VLM family the engine serves (tiny builds: families.family_path)
 
 
 def images(n: int, seed: int = 0) -> list:

@@ -189,9 +189,9 @@ class _Probe:
 def _engine(fm, mix: Mix, reqs, small: bool):
     from .. import EngineConfig, RolloutEngine
     from ..engine.kv_cache import KVCache
-    from ..engine.runner import _text_dims
+    from ..models.families import text_dims
 
-    per_token = KVCache.bytes_per_token(*_text_dims(fm.policy.text_config), torch.float32)
+    per_token = KVCache.bytes_per_token(*text_dims(fm.policy.text_config), torch.float32)
     bs = mix.block_size
     budget = 1 << 24
     if small:  # room for the longest alone (and a spare block), far from all of them together

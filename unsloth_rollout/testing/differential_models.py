@@ -16,25 +16,16 @@ import tempfile
 
 import torch
 
-from .families import FAMILIES, family_model_path
+from ..models.families import family_of, served_families
+from .families import family_path
 from .oracles import perturb_lora
-from .tiny import tiny_model_path
-from .vlm_families import VLM_FAMILIES, vlm_family_path
 
-TEXT_FAMILIES = ("qwen2",) + tuple(f for f in FAMILIES if f != "qwen2")
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl") + VLM_FAMILIES
+TEXT_FAMILIES = ("qwen2",) + tuple(f for f in served_families(vlm=False) if f != "qwen2")
+VISION_FAMILIES = served_families(vlm=True)
 ALL_FAMILIES = TEXT_FAMILIES + VISION_FAMILIES
 # Gemma 2's attention soft-capping exists only in its eager attention (transformers' sdpa drops it).
 ATTN = {"gemma2": "eager"}
 NAMED = ("a1", "a2")
-
-
-def family_path(family: str) -> str:
-    if family in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
-        return str(tiny_model_path(family))
-    if family in VLM_FAMILIES:
-        return str(vlm_family_path(family))
-    return str(family_model_path(family))
 
 
 def _load(family: str, lora):
@@ -54,7 +45,7 @@ class FamilyModels:
 
     def __init__(self, family: str, policy_lora: bool):
         self.family, self.policy_lora = family, policy_lora
-        self.is_vlm = family in VISION_FAMILIES
+        self.is_vlm = family_of(family).vlm
         self._tmp = tempfile.TemporaryDirectory(prefix=f"difftest-{family}-")
         self.adapter_dirs = {}
         ref = _load(family, {"r": 8})

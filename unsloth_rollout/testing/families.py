@@ -17,6 +17,10 @@ from __future__ import annotations
 import json
 import pathlib
 
+from ..models.families import family_of, served_families
+from .tiny import ARCHES
+from .vlm_families import VLM_FAMILIES
+
 _FORMAT_VERSION = "f1"
 _MARKER = "unsloth_rollout_family.json"
 
@@ -40,7 +44,11 @@ _FAMILIES = {
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", {"sliding_window": 8}),
 }
-FAMILIES = tuple(_FAMILIES)
+FAMILIES = served_families(vlm=False)  # the registry's text families, in its order
+if set(FAMILIES) != set(_FAMILIES):  # every served text family has a tiny builder, and nothing else does
+    raise RuntimeError(f"testing.families builds {sorted(_FAMILIES)}; the registry serves {sorted(FAMILIES)}")
+if set(served_families(vlm=True)) != set(VLM_FAMILIES) | {a for a in ARCHES if family_of(a).vlm}:
+    raise RuntimeError("every served VLM family needs a tiny builder (testing.tiny or testing.vlm_families)")
 
 
 def family_model_path(family: str, seed: int = 0) -> pathlib.Path:
@@ -51,6 +59,19 @@ def family_model_path(family: str, seed: int = 0) -> pathlib.Path:
 
     path = _cache_root() / "families" / f"{family}-s{seed}-{_FORMAT_VERSION}"
     return cached_build(path, _MARKER, lambda tmp: _write(tmp, family, seed))
+
+
+def family_path(family: str) -> str:
+    """The cached tiny model folder of any served family: Qwen2 / Qwen2-VL / Qwen2.5-VL from ``testing.tiny``,
+    the other VLMs from ``testing.vlm_families``, the other text families from ``family_model_path``."""
+    from .tiny import tiny_model_path
+    from .vlm_families import vlm_family_path
+
+    if family in ARCHES:
+        return str(tiny_model_path(family))
+    if family in VLM_FAMILIES:
+        return str(vlm_family_path(family))
+    return str(family_model_path(family))
 
 
 def _write(path: pathlib.Path, family: str, seed: int) -> None:

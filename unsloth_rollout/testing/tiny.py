@@ -413,10 +413,10 @@ def _model_config(arch: str, spec: _Spec, ids: dict[str, int], vocab_size: int):
 
 
 def _write_image_processor(path: pathlib.Path, arch: str, spec: _Spec) -> None:
-    from ..models.processor import _ImageProcessor
+    from ..models.processor import QwenVLPilImageProcessor
 
     # Pass `size` rather than min/max_pixels: the PIL class mutates its class-level default dict otherwise.
-    image_processor = _ImageProcessor(
+    image_processor = QwenVLPilImageProcessor(
         size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
         patch_size=14,
         temporal_patch_size=2,

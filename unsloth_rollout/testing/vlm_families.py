@@ -53,7 +53,7 @@ _TOKENS = {
 }
 # Plain added tokens some processors write (Idefics3's crop-position tags).
 _EXTRA_TOKENS = {"idefics3": [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]}
-VLM_FAMILIES = tuple(_TOKENS)
+VLM_FAMILIES = tuple(_TOKENS)  # the served VLMs other than Qwen2-VL / Qwen2.5-VL (those: testing.tiny)
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.15)
@@ -126,7 +126,7 @@ def _llava(tok, common):
 def _qwen3_vl(tok, common):
     from transformers import Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLVisionConfig
 
-    from ..models.processor import Qwen3VLImageOnlyProcessor, _ImageProcessor
+    from ..models.processor import Qwen3VLImageOnlyProcessor, QwenVLPilImageProcessor
 
     # Interleaved M-RoPE over head_dim 16 (sections t/h/w = 4/2/2); deepstack features from both vision layers.
     text = Qwen3VLTextConfig(**_TEXT, **common, head_dim=16,
@@ -141,8 +141,9 @@ def _qwen3_vl(tok, common):
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     # 32-128 px per side: 1-16 merged tokens per image.
-    image_processor = _ImageProcessor(size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96}, patch_size=16,
-                                      temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image_processor = QwenVLPilImageProcessor(size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96},
+                                              patch_size=16, temporal_patch_size=2, merge_size=2,
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = Qwen3VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tok,
                                           chat_template=tok.chat_template)
     return config, processor
