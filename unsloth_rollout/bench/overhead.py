@@ -40,12 +40,13 @@ def deep_policy(model: str, layers: int, lora: int, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..models import load_model
+    from ..models.families import is_vlm_config
     from ..testing.oracles import perturb_lora
     from .harness import model_path
 
     path = model_path(model)
     cfg = AutoConfig.from_pretrained(path)
-    if hasattr(cfg, "vision_config"):
+    if is_vlm_config(cfg):
         raise ValueError(f"--workload overhead needs a text model (--model tiny-lm / small-lm); {model!r} is a VLM")
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):

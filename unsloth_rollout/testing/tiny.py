@@ -31,6 +31,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from ..models.families import family_of
+
 __all__ = ["ARCHES", "SIZES", "SPECIAL_TOKENS", "build_tiny_model", "chat_template", "tiny_model_path"]
 
 ARCHES = ("qwen2", "qwen2_vl", "qwen2_5_vl")
@@ -318,7 +320,8 @@ def _write_model(path: pathlib.Path, arch: str, size: str, seed: int) -> None:
     ids = {text: tokenizer.convert_tokens_to_ids(text) for text, _ in SPECIAL_TOKENS}
     config = _model_config(arch, spec, ids, vocab_size=spec.model_vocab or _round_up(len(tokenizer), 64))
 
-    auto_model = AutoModelForCausalLM if arch == "qwen2" else AutoModelForImageTextToText
+    vlm = family_of(arch).vlm
+    auto_model = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     # Seed the global RNG (weights) and restore it, so building does not disturb the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -336,7 +339,7 @@ def _write_model(path: pathlib.Path, arch: str, size: str, seed: int) -> None:
     with _quiet_progress_bars():
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if arch != "qwen2":
+    if vlm:
         _write_image_processor(path, arch, spec)
 
     meta = {
