@@ -107,3 +107,33 @@ def test_gemma2_fixture_softcap_matters():
                 m.attn_logit_softcapping = None
         b = eager.model(input_ids=ids).logits
     assert (a - b).abs().max() > 1e-2
+
+
+def test_a_family_whose_model_disagrees_with_its_spec_is_refused(monkeypatch):
+    """A listed family whose model lacks the M-RoPE its spec promises (or has what it denies) is refused by name
+    when the runner is built, never served with 1-D positions. (Every served VLM's engine build in
+    tests/test_vlm_families.py passes the same check with the registry's own spec.)"""
+    import dataclasses
+
+    from unsloth_rollout.engine import vision
+    from unsloth_rollout.models.families import FAMILIES
+    from unsloth_rollout.testing.families import family_path
+
+    policy = load_model(family_path("qwen2_5_vl"), backend="transformers")
+    assert vision.PromptVision(policy, policy.device).mrope  # the registry's spec and the model agree
+    monkeypatch.setattr(vision, "family_of", lambda cfg: dataclasses.replace(FAMILIES["qwen2_5_vl"], mrope=False))
+    with pytest.raises(UnsupportedModelError, match="M-RoPE"):
+        vision.PromptVision(policy, policy.device)
+
+
+def test_every_served_family_is_in_the_readme_table():
+    """The README's family table lists exactly the registry's served families (by model_type)."""
+    import pathlib
+    import re
+
+    from unsloth_rollout.models.families import served_families
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Supported model families", 1)[1].split("\n\n## ", 1)[0]
+    listed = set(re.findall(r"^\| [^|]*\(`([a-z0-9_]+)`\) \| (?:text|VLM) \|", table, flags=re.M))
+    assert listed == set(served_families())
