@@ -29,6 +29,9 @@ from __future__ import annotations
 import json
 import pathlib
 
+from ..models.families import served_families
+from .tiny import ARCHES
+
 _FORMAT_VERSION = "v2"
 _MARKER = "unsloth_rollout_vlm_family.json"
 
@@ -53,7 +56,10 @@ _TOKENS = {
 }
 # Plain added tokens some processors write (Idefics3's crop-position tags).
 _EXTRA_TOKENS = {"idefics3": [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]}
-VLM_FAMILIES = tuple(_TOKENS)  # the served VLMs other than Qwen2-VL / Qwen2.5-VL (those: testing.tiny)
+# The registry's served VLMs, in its order, but those testing.tiny builds (Qwen2-VL, Qwen2.5-VL).
+VLM_FAMILIES = tuple(f for f in served_families(vlm=True) if f not in ARCHES)
+if set(VLM_FAMILIES) != set(_TOKENS):  # every served VLM has a tiny builder, and nothing else does
+    raise RuntimeError(f"testing.vlm_families builds {sorted(_TOKENS)}; the registry serves {sorted(VLM_FAMILIES)}")
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.15)
