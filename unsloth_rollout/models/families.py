@@ -77,7 +77,7 @@ FAMILIES: Mapping[str, FamilySpec] = MappingProxyType(dict([
     _spec("qwen3", "Qwen3 (q/k norm; optional sliding-window layers)", attention="optional sliding-window layers"),
     _spec("qwen3_moe", "Qwen3-MoE (sparse experts)"),
     _spec("gemma2", "Gemma 2 (alternating sliding/full layers, attention and final logit soft-capping)",
-          attention="alternating sliding/full layers; attention soft-capping (eager attention only)"),
+          attention="alternating sliding/full layers; attention soft-capping (in transformers' eager attention)"),
     _spec("gemma3_text", "Gemma 3 text (5:1 sliding/full layers, dual RoPE bases, query_pre_attn_scalar)",
           attention="5:1 sliding/full layers"),
     _spec("phi3", "Phi-3 / Phi-3.5 mini (fused qkv and gate_up projections, sliding window)",
