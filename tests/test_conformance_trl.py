@@ -94,13 +94,15 @@ def test_select_adapter_sync_takes_the_adapter_path(server, model_dir, tmp_path)
 
 
 def test_grpo_server_mode_full_weight_sync_is_refused_at_start_by_name(vllm_client):
-    """``GRPOTrainer(use_vllm=True, vllm_mode="server")`` calls ``VLLMClient.init_communicator`` at start: with
-    ``weight_transfer_config`` null TRL raises its own named error before any NCCL rendezvous (the server has no
-    NCCL weight-transfer engine), and the routes it would call answer 501 naming the alternatives."""
+    """``GRPOTrainer(use_vllm=True, vllm_mode="server")`` calls ``VLLMClient.init_communicator`` at start: on a
+    server started without ``--weight-transfer-config`` (``weight_transfer_config`` null, as vLLM without it) TRL
+    raises its own named error before any rendezvous, and the routes it would call answer 501 naming the switch and
+    the alternatives. (With the switch, tests/test_conformance_trl_weight_sync.py trains through it.)"""
     with pytest.raises(RuntimeError, match="no weight-transfer engine"):
         vllm_client.init_communicator(device="cpu")
     r = httpx.post(vllm_client.base_url + "/init_weight_transfer_engine", json={"init_info": {}})
-    assert r.status_code == 501 and "load_lora_adapter" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 501 and "load_lora_adapter" in message and "--weight-transfer-config" in message
 
 
 def test_vllm_client_generate_token_ids_and_logprobs(vllm_client, policy):

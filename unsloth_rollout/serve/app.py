@@ -41,6 +41,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        TokenizeRequest, UnloadLoRAAdapterRequest, UpdateWeightsFromDiskRequest,
                        UpdateWeightVersionRequest, error_body)
 from .state import ServerOptions, ServerState
+from .weight_transfer import install_weight_transfer_routes, parse_weight_transfer_config
 
 logger = logging.getLogger("unsloth_rollout.serve")
 
@@ -60,7 +61,7 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
                max_image_pixels: int = 4096 * 4096, max_n: int = 64, max_body_bytes: int = 32 << 20,
                tool_call_parser: str = "auto", generation_config: str = "auto",
                owns_engine: bool = False, logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20,
-               enable_runtime_lora: bool | None = None) -> FastAPI:
+               enable_runtime_lora: bool | None = None, weight_transfer_config: dict | str | None = None) -> FastAPI:
     """Build the app; every request runs on ``engine`` (a RolloutEngine).
 
     Args:
@@ -80,6 +81,8 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         max_logprobs: the largest ``prompt_logprobs`` a request may ask (vLLM's ``--max-logprobs``).
         enable_runtime_lora: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (404 otherwise, as
             vLLM without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); None: that environment variable decides.
+        weight_transfer_config: ``{"backend": "gloo"}`` serves vLLM's full-weight transfer routes over gloo
+            (``weight_transfer.py``); None: they answer 501.
 
     Example::
 
@@ -98,7 +101,8 @@ def create_app(engine, *, served_model_name: str | list[str] | None = None, api_
         max_n=max_n, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
         default_sampling=_default_sampling(policy) if generation_config == "auto" else {}, owns_engine=owns_engine,
         logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
-        enable_runtime_lora=runtime_lora_from_env() if enable_runtime_lora is None else bool(enable_runtime_lora))
+        enable_runtime_lora=runtime_lora_from_env() if enable_runtime_lora is None else bool(enable_runtime_lora),
+        weight_transfer_config=parse_weight_transfer_config(weight_transfer_config))
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     state = ServerState(engine, options)
@@ -546,14 +550,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         return {"vllm_config": server_config(state), "backend": getattr(engine.policy, "backend", None),
                 "version": __version__}
 
-    async def _no_weight_transfer(raw: Request):
-        raise APIError("full-weight NCCL transfer is not supported by unsloth_rollout serve (weight_transfer_config "
-                       "is null): sync a PEFT adapter with /v1/load_lora_adapter, or full weights from disk with "
-                       "/areal_update_weights", 501, type="NotImplementedError")
-
-    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                  "/init_communicator", "/update_named_param"):
-        app.add_api_route(route, _no_weight_transfer, methods=["POST"], include_in_schema=False)
+    install_weight_transfer_routes(app, state)
 
 
 def server_config(state: ServerState) -> dict:
@@ -578,7 +575,7 @@ def server_config(state: ServerState) -> dict:
         "lora_config": {"max_lora_rank": cfg.max_lora_rank,
                         "max_loras": cfg.max_loras if cfg.max_loras is not None else 2**31 - 1, "max_cpu_loras": None,
                         "fully_sharded_loras": False, "lora_dtype": "auto"},
-        # None: no NCCL weight-transfer engine (TRL then refuses server-mode full-weight sync at start, by name).
-        "weight_transfer_config": None,
+        # None unless --weight-transfer-config (TRL then refuses server-mode full-weight sync at start, by name).
+        "weight_transfer_config": opts.weight_transfer_config,
         "device_config": {"device": str(policy.device)},
     }

@@ -62,6 +62,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="raw: log_softmax(logits / T), what a trainer recomputes; processed: the distribution each "
                    "token was drawn from (penalties, top-k/top-p/min-p, renormalised), as vLLM's")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest prompt_logprobs a request may ask")
+    g.add_argument("--weight-transfer-config", default=None, metavar="JSON",
+                   help='serve vLLM\'s full-weight transfer routes (TRL\'s vllm_mode="server" sync): \'{"backend": '
+                   '"gloo"}\'; vLLM\'s "nccl" backend is refused (default: off)')
     g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
     g.add_argument("--log-level", default="info")
     return p
@@ -82,8 +85,13 @@ def build_app(args: argparse.Namespace):
     from ..engine import EngineConfig, RolloutEngine
     from ..models import load_model
     from .app import create_app
+    from .weight_transfer import parse_weight_transfer_config
 
     loras = _parse_loras(args.lora)
+    try:  # refused before the model loads
+        weight_transfer = parse_weight_transfer_config(args.weight_transfer_config)
+    except ValueError as e:
+        raise SystemExit(f"--weight-transfer-config: {e}") from None
     policy = load_model(args.model, backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         max_seq_length=args.max_model_len, device=args.device)
     config = EngineConfig(
@@ -101,7 +109,7 @@ def build_app(args: argparse.Namespace):
                       max_n=args.max_n, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                       tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
                       owns_engine=True, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
-                      enable_runtime_lora=args.enable_runtime_lora)
+                      enable_runtime_lora=args.enable_runtime_lora, weight_transfer_config=weight_transfer)
 
 
 def run(args: argparse.Namespace) -> None:

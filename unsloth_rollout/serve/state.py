@@ -35,6 +35,7 @@ class ServerOptions:
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20  # largest prompt_logprobs (vLLM's --max-logprobs)
     enable_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's switch)
+    weight_transfer_config: dict | None = None  # {"backend": "gloo", ...}: vLLM's weight-transfer routes served
 
 
 class ClientDisconnected(Exception):
@@ -58,6 +59,7 @@ class ServerState:
         # Recorded sessions (a trainer's agent episodes, unsloth_rollout.areal.agent_server): an object with
         # ``lookup(raw_request) -> session | None``; a session has ``record(req, prep, outs, body)``.
         self.sessions = None
+        self.weight_receiver = None  # serve.weight_transfer.WeightReceiver when weight transfer is on
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,6 @@
 """Full-model weight updates from disk (AReaL's ``/areal_update_weights``): copy a saved checkpoint into the
-served policy in place, between engine steps.
+served policy in place, between engine steps. ``base_weights`` is what any full-weight update may write (the
+broadcast transfer in ``weight_transfer.py`` too).
 
 Example::
 
@@ -17,6 +18,23 @@ from ..engine import InvalidRequestError
 logger = logging.getLogger("unsloth_rollout.serve")
 
 
+def base_weights(policy, field: str, refuse_own_adapter: bool = False) -> dict[str, torch.nn.Parameter]:
+    """The policy's base weights under their checkpoint names (a LoRA layer's ``base_layer`` weight under the plain
+    layer's name; tied weights under each name), LoRA weights left out: what a full-weight update may write.
+
+    Refused (``InvalidRequestError`` naming ``field``): 4-bit weights (no exact in-place copy), and with
+    ``refuse_own_adapter`` a policy that runs an adapter of its own (merged weights written under it would not be
+    the weights the sender has)."""
+    base = policy.base_model
+    if any(getattr(p, "quant_state", None) is not None for p in base.parameters()):
+        raise InvalidRequestError(field, "full-weight updates are not supported for 4-bit models")
+    if refuse_own_adapter and hasattr(policy.model, "peft_config") and not getattr(policy, "serving_wrapper", False):
+        raise InvalidRequestError(field, "the served policy runs a LoRA adapter of its own: full-weight updates "
+                                         "would be applied under it; sync the adapter with /v1/load_lora_adapter")
+    return {n.replace(".base_layer.", "."): p for n, p in base.named_parameters(remove_duplicate=False)
+            if ".lora_" not in n and "modules_to_save" not in n}
+
+
 def load_weights_from_disk(engine, path: str) -> int:
     """Copy every base weight of the checkpoint at ``path`` into ``engine.policy``; returns the tensor count.
 
@@ -26,28 +44,25 @@ def load_weights_from_disk(engine, path: str) -> int:
     the prefix cache is dropped (``engine.weights_changed()``); a pause anyone else holds stays in place.
     """
     policy = engine.policy
-    base = policy.base_model
-    if any(getattr(p, "quant_state", None) is not None for p in base.parameters()):
-        raise InvalidRequestError("model_path", "weight updates from disk are not supported for 4-bit models")
+    targets = base_weights(policy, "model_path")
     try:
-        fresh = type(base).from_pretrained(path, dtype=policy.dtype)
+        fresh = type(policy.base_model).from_pretrained(path, dtype=policy.dtype)
     except Exception as e:
         raise InvalidRequestError("model_path", f"cannot load a checkpoint from {path!r}: {e}") from None
     source = fresh.state_dict()
-    targets = [(n, p) for n, p in base.named_parameters() if ".lora_" not in n and "modules_to_save" not in n]
-    missing = [n.replace(".base_layer.", ".") for n, _ in targets if n.replace(".base_layer.", ".") not in source]
+    missing = [n for n in targets if n not in source]
     if missing:
         raise InvalidRequestError("model_path", f"the checkpoint at {path!r} lacks {len(missing)} weight(s), "
                                                 f"e.g. {missing[0]!r}")
-    for n, p in targets:
-        t = source[n.replace(".base_layer.", ".")]
+    for n, p in targets.items():
+        t = source[n]
         if t.shape != p.shape:
             raise InvalidRequestError("model_path", f"{n}: checkpoint shape {tuple(t.shape)} != {tuple(p.shape)}")
     engine.pause("abort", holder="load_weights")
     try:
         with policy.lock, torch.no_grad():
-            for n, p in targets:
-                p.copy_(source[n.replace(".base_layer.", ".")].to(p.device, p.dtype))
+            for n, p in targets.items():
+                p.copy_(source[n].to(p.device, p.dtype))
             policy.clear_rope_deltas()
         engine.weights_changed()
     finally:

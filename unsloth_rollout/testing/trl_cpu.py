@@ -1,4 +1,5 @@
-"""Run TRL 1.16's ``AsyncGRPOTrainer`` on a CPU machine without vLLM, for tests against ``unsloth-rollout serve``.
+"""Run TRL 1.16's ``AsyncGRPOTrainer`` and ``GRPOTrainer(vllm_mode="server")`` on a CPU machine without vLLM, for
+tests against ``unsloth-rollout serve``.
 
 TRL's async GRPO talks to the server over HTTP only (its rollout worker posts ``/v1/completions`` from a spawned
 process; adapter syncs are ``/pause``, ``/v1/load_lora_adapter``, ``/resume``), but three of its guards assume
@@ -9,6 +10,14 @@ server's side of the wire:
 - the trainer's MFU probe calls ``torch.cuda.get_device_name`` (a metric only);
 - the loss forward runs FlashAttention-3 from the kernels hub (``flash_attn_varlen_func``); here the same
   function is computed with torch SDPA, causal per packed segment (bottom-right aligned, as flash-attn's).
+
+``allow_grpo_server_mode_on_cpu()`` does the same for ``GRPOTrainer(use_vllm=True, vllm_mode="server")``, whose
+weight sync joins vLLM's NCCL weight-transfer engine: TRL's ``VLLMClient.init_communicator`` refuses a non-CUDA
+device and both the client and ``VLLMGeneration`` refuse to start without vLLM installed. It lifts those two
+install checks and replaces only the trainer's end of the wire with the gloo equivalent (``serve.weight_wire``,
+what a server started with ``--weight-transfer-config '{"backend": "gloo"}'`` receives): the rendezvous in
+``init_communicator`` and the packed broadcast ``update_named_params`` calls. TRL still walks, names, merges
+(PEFT) and announces the weights, posts every route, and generates over HTTP unchanged.
 
 Example::
 
@@ -21,7 +30,11 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import socket
+import threading
 import types
+from concurrent.futures import Future
 
 import torch
 
@@ -68,5 +81,70 @@ def allow_async_grpo_on_cpu():
     def restore():
         for mod, name, value in saved:
             setattr(mod, name, value)
+
+    return restore
+
+
+def _ip_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what the server dials for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host or "127.0.0.1"), 1))  # UDP: nothing is sent
+        return s.getsockname()[0]
+
+
+def _gloo_init_communicator(self, device=0):
+    """TRL 1.16's ``VLLMClient.init_communicator`` with gloo for NCCL: the same server_info check, init_info
+    (trainer rank 0, workers from rank_offset 1, packed) and concurrent POST; the group is ``GlooTransferGroup``."""
+    from ..serve.weight_wire import GlooTransferGroup
+
+    if self.get_server_info()["weight_transfer_config"] is None:
+        raise RuntimeError(f"The vLLM server at {self.base_url} has no weight-transfer engine. Restart it with "
+                           """`--weight-transfer-config '{"backend": "gloo"}'`.""")
+    world_size = self.get_world_size() + 1
+    init_info = {"master_address": _ip_towards(self.host), "master_port": self.group_port, "rank_offset": 1,
+                 "world_size": world_size, "packed": True}
+    # The group's constructor waits for the server; a daemon thread, so a server that refuses (400) is reported
+    # at once instead of after the rendezvous timeout.
+    joined: Future = Future()
+
+    def join():
+        try:
+            joined.set_result(GlooTransferGroup(init_info["master_address"], self.group_port, 0, world_size))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            joined.set_exception(e)
+
+    threading.Thread(target=join, name="trl-gloo-rendezvous", daemon=True).start()
+    self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": init_info})
+    self.communicator = joined.result()
+    atexit.register(self.close_communicator)
+
+
+def allow_grpo_server_mode_on_cpu():
+    """Let ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` sync weights over gloo (see the module docstring);
+    returns ``restore()``."""
+    import trl.generation.vllm_client as client_mod
+    import trl.generation.vllm_generation as generation_mod
+
+    from ..serve.weight_wire import packed_broadcast_producer
+
+    missing = object()
+    saved = [(client_mod, "is_vllm_available", client_mod.is_vllm_available),
+             (generation_mod, "is_vllm_available", generation_mod.is_vllm_available),
+             (client_mod.VLLMClient, "init_communicator", client_mod.VLLMClient.init_communicator),
+             (client_mod, "_HAS_STATEFUL_TRAINER_ENGINE", client_mod._HAS_STATEFUL_TRAINER_ENGINE),
+             (client_mod, "packed_nccl_broadcast_producer",
+              getattr(client_mod, "packed_nccl_broadcast_producer", missing))]
+    client_mod.is_vllm_available = generation_mod.is_vllm_available = lambda *a, **k: True
+    client_mod.VLLMClient.init_communicator = _gloo_init_communicator
+    # vLLM >= 0.28's trainer path in TRL: packed broadcast from rank 0 over the communicator.
+    client_mod._HAS_STATEFUL_TRAINER_ENGINE = True
+    client_mod.packed_nccl_broadcast_producer = packed_broadcast_producer
+
+    def restore():
+        for owner, name, value in saved:
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
     return restore

@@ -1,0 +1,210 @@
+"""TRL 1.16's ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` against the real ``unsloth-rollout serve`` started
+with ``--weight-transfer-config '{"backend": "gloo"}'``: full weights (PEFT: the merged adapter) follow the trainer.
+
+Reproduces TRL's tests of its vLLM client weight sync (tests/test_vllm_client_server.py: ``init_communicator``,
+``update_model_params``, ``update_named_param``, ``reset_prefix_cache``) and of server-mode GRPO training
+(tests/test_grpo_trainer.py's ``vllm_mode="server"`` runs), rewritten for a tiny random model on CPU. TRL's trainer
+side refuses a non-CUDA device and a machine without vLLM; ``unsloth_rollout.testing.trl_cpu
+.allow_grpo_server_mode_on_cpu`` lifts the two install checks and gives TRL's client the gloo end of the wire,
+nothing else. Oracles: TRL's own recomputed logprobs (``sampling/sampling_logp_difference/max``), HF ``generate()``
+on the trainer's model, a forward of the trainer's model for prompt logprobs.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytestmark = pytest.mark.trl
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+
+from unsloth_rollout.testing.server import completion_length_reward, free_port, serve_subprocess  # noqa: E402
+from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
+
+TOL = 1e-5
+SEQ = [7, 8, 9, 10, 11, 12, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_model_path("qwen2", "tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("trl_sync_server") / "server.log"
+    with serve_subprocess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
+                          "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 120}', log_path=log) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def gloo_trl():
+    from unsloth_rollout.testing.trl_cpu import allow_grpo_server_mode_on_cpu
+
+    restore = allow_grpo_server_mode_on_cpu()
+    yield
+    restore()
+
+
+@pytest.fixture(scope="module")
+def client(server, gloo_trl):
+    """TRL's ``VLLMClient`` with its communicator open (gloo), as ``VLLMGeneration`` builds it in server mode."""
+    from trl.generation.vllm_client import VLLMClient
+
+    c = VLLMClient(base_url=server, group_port=free_port(), connection_timeout=30)
+    c.init_communicator(device="cpu")
+    yield c
+    c.close_communicator()
+
+
+def _server_prompt_logprobs(base, seq=SEQ):
+    body = httpx.post(base + "/v1/completions", json={"prompt": seq, "max_tokens": 0, "prompt_logprobs": 0},
+                      timeout=60).json()
+    return torch.tensor([next(iter(d.values()))["logprob"] for d in body["choices"][0]["prompt_logprobs"][1:]])
+
+
+def _model_logprobs(model, seq=SEQ):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:]).unsqueeze(1)).squeeze(1)
+
+
+def _server_greedy(base, prompt, n=12):
+    body = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                     "return_token_ids": True}, timeout=60).json()
+    return body["choices"][0]["token_ids"]
+
+
+def _hf_greedy(model, prompt, n=12):
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_server_info_reports_the_gloo_transfer_and_nccl_is_refused_by_name():
+    """``/server_info``'s ``weight_transfer_config`` is what the server runs (gloo); vLLM's NCCL engine, which this
+    server does not implement, is refused at start naming the alternatives, never accepted and left idle."""
+    from unsloth_rollout.serve.cli import add_serve_arguments, build_app
+    from unsloth_rollout.serve.weight_transfer import parse_weight_transfer_config
+
+    assert parse_weight_transfer_config('{"backend": "gloo"}') == {"backend": "gloo", "timeout_s": 600.0}
+    assert parse_weight_transfer_config(None) is None
+    with pytest.raises(ValueError, match="NCCL weight-transfer engine is not implemented.*gloo"):
+        parse_weight_transfer_config('{"backend": "nccl"}')
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_weight_transfer_config({"backend": "gloo", "packed": True})
+    import argparse
+
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["/nonexistent", "--weight-transfer-config", '{"backend": "nccl"}'])
+    with pytest.raises(SystemExit, match="weight-transfer-config.*nccl"):
+        build_app(args)  # refused before the model is loaded
+
+
+def test_init_communicator_joins_and_update_named_param_writes_in_place(server, client, model_dir):
+    """TRL's ``init_communicator`` + ``update_named_param`` (test_vllm_client_server.py): one tensor broadcast into
+    the served model changes what it computes, exactly as the same change does in a local copy; the weight version
+    moves on; ``reset_prefix_cache`` answers."""
+    from transformers import AutoModelForCausalLM
+
+    info = httpx.get(server + "/server_info").json()["vllm_config"]
+    assert info["weight_transfer_config"]["backend"] == "gloo"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    before = httpx.get(server + "/get_weight_version").json()["weight_version"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        dict(model.named_parameters())[name].mul_(1.5)
+    client.update_named_param(name, dict(model.named_parameters())[name].data)
+    client.reset_prefix_cache()
+    assert httpx.get(server + "/get_weight_version").json()["weight_version"] == before + 1
+    assert (_server_prompt_logprobs(server) - _model_logprobs(model)).abs().max() <= TOL
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert (_server_prompt_logprobs(server) - _model_logprobs(fresh)).abs().max() > 1e-3  # the change is visible
+    client.update_model_params(fresh)  # every weight back, in one packed round
+    assert (_server_prompt_logprobs(server) - _model_logprobs(fresh)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "name"])
+def test_a_tensor_that_does_not_fit_is_received_refused_by_name_and_nothing_changes(server, client, case):
+    """vLLM's ``load_weights`` raises on a tensor that does not fit; here it is a 400 naming the tensor, after the
+    broadcast is received (TRL's client is not left hanging), with no weight written and the server serving."""
+    before = _server_prompt_logprobs(server)
+    version = httpx.get(server + "/get_weight_version").json()["weight_version"]
+    name, t = "model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64)
+    if case == "shape":
+        t = torch.zeros(64, 65)
+    elif case == "dtype":
+        t = t.to(torch.bfloat16)
+    else:
+        name = "model.layers.9.self_attn.q_proj.weight"
+    with pytest.raises(Exception, match="400") as err:
+        client.update_named_params([(name, str(t.dtype).removeprefix("torch."), list(t.shape)),
+                                    ("lm_head.weight", "float32", [768, 64])],
+                                   iter([(name, t), ("lm_head.weight", torch.zeros(768, 64))]))
+    assert {"shape": "shape [64, 65]", "dtype": "dtype bfloat16", "name": "not a weight"}[case] in str(err.value)
+    assert name in str(err.value)
+    assert torch.equal(_server_prompt_logprobs(server), before)  # lm_head, which did fit, was not written either
+    assert httpx.get(server + "/get_weight_version").json()["weight_version"] == version
+    assert httpx.get(server + "/is_paused").json()["is_paused"] is False
+
+
+def _grpo(model_dir, server, tmp_path, lr, **extra):
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from unsloth_rollout.trl.toy import grpo_config
+
+    ds = Dataset.from_dict({"prompt": [f"count to {i}:" for i in range(12)]})
+    args = grpo_config(str(tmp_path), 3, lr=lr, num_generations=2, prompts_per_step=2, max_completion_length=8,
+                       use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_group_port=free_port(),
+                       vllm_server_timeout=30)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=completion_length_reward, args=args, train_dataset=ds,
+                          **extra)
+    trainer.train()
+    return trainer
+
+
+def _check_followed(trainer, server, model_dir, start_version):
+    """Every step's samples came from the weights TRL recomputes with (1e-5, raw logprobs); after TRL's sync of the
+    last optimizer step (the one its next generation would do) the server computes what the trainer's model computes
+    (greedy tokens, prompt logprobs), and that model moved."""
+    from transformers import AutoModelForCausalLM
+
+    diffs = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history
+             if "sampling/sampling_logp_difference/max" in h]
+    assert len(diffs) == 3 and max(diffs) <= TOL, diffs
+    assert httpx.get(server + "/get_weight_version").json()["weight_version"] == start_version + 3  # one per sync
+    trainer.vllm_generation.sync_weights()  # the third step's update, which no generation has fetched yet
+    model = trainer.model.eval()
+    start = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert (_model_logprobs(model) - _model_logprobs(start)).abs().max() > 1e-3  # stale weights would fail below
+    assert (_server_prompt_logprobs(server) - _model_logprobs(model)).abs().max() <= TOL
+    for prompt in ([5, 6, 7, 8], [40, 41, 42]):
+        assert _server_greedy(server, prompt) == _hf_greedy(model, prompt)
+
+
+@pytest.mark.timeout(600)
+def test_grpo_server_mode_full_fine_tune_weights_follow_the_trainer(server, gloo_trl, model_dir, tmp_path):
+    """GRPOTrainer(vllm_mode="server") on the full model: 3 steps, each after TRL's sync (update_named_params of
+    every parameter, packed, then reset_prefix_cache)."""
+    version = httpx.get(server + "/get_weight_version").json()["weight_version"]
+    trainer = _grpo(model_dir, server, tmp_path, lr=1e-3)
+    _check_followed(trainer, server, model_dir, version)
+
+
+@pytest.mark.timeout(600)
+def test_grpo_server_mode_peft_sends_merged_weights_that_follow_the_trainer(server, gloo_trl, model_dir, tmp_path):
+    """With a PEFT model TRL merges the adapter, sends the merged base weights under their plain names (LoRA
+    tensors skipped), and unmerges: the server, which holds no adapter, computes the trainer's PEFT model."""
+    from peft import LoraConfig
+
+    version = httpx.get(server + "/get_weight_version").json()["weight_version"]
+    trainer = _grpo(model_dir, server, tmp_path, lr=3e-2,
+                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    assert any("lora_B" in n for n, _ in trainer.model.named_parameters())
+    _check_followed(trainer, server, model_dir, version)
