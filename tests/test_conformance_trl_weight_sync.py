@@ -129,6 +129,35 @@ def test_init_communicator_joins_and_update_named_param_writes_in_place(server, 
     assert (_server_prompt_logprobs(server) - _model_logprobs(fresh)).abs().max() <= TOL
 
 
+def test_unpacked_layout_and_an_explicit_weight_version(server, client, model_dir):
+    """vLLM's unpacked layout (``packed: false`` in update_info: one broadcast per tensor, in its dtype), and
+    ``/finish_weight_update`` with ``weight_version``, which later tokens are stamped with."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from unsloth_rollout.serve.weight_wire import broadcast_one_by_one_producer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    params = dict(model.named_parameters())
+    names = ["model.layers.0.self_attn.k_proj.bias", "model.norm.weight"]
+    with torch.no_grad():
+        for n in names:
+            params[n].add_(0.25)
+    info = {"names": names, "dtype_names": ["float32"] * 2, "shapes": [list(params[n].shape) for n in names],
+            "packed": False}
+    assert httpx.post(server + "/start_weight_update", json={}).status_code == 200
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, server + "/update_weights", json={"update_info": info}, timeout=60)
+        broadcast_one_by_one_producer(((n, params[n].data) for n in names), client.communicator, 0)
+        assert fut.result().status_code == 200
+    r = httpx.post(server + "/finish_weight_update", json={"weight_version": 41})
+    assert r.status_code == 200 and r.json()["weight_version"] == 41
+    assert httpx.get(server + "/get_weight_version").json()["weight_version"] == 41
+    assert (_server_prompt_logprobs(server) - _model_logprobs(model)).abs().max() <= TOL
+    client.update_model_params(AutoModelForCausalLM.from_pretrained(model_dir))  # back to the checkpoint
+
+
 @pytest.mark.parametrize("case", ["shape", "dtype", "name"])
 def test_a_tensor_that_does_not_fit_is_received_refused_by_name_and_nothing_changes(server, client, case):
     """vLLM's ``load_weights`` raises on a tensor that does not fit; here it is a 400 naming the tensor, after the
