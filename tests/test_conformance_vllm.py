@@ -116,6 +116,31 @@ def test_echo_with_logprobs_and_max_tokens_zero(server, policy, client):
     assert z.choices[0].text == text and z.usage.completion_tokens == 0 and z.choices[0].finish_reason == "length"
 
 
+def test_streamed_echo_sends_the_prompt_first(server, client):
+    """test_completion.py::test_echo_stream_completion: with stream and echo each choice's first chunk starts with
+    the prompt text and its logprobs with the prompt's tokens (first None); the chunks add up to the non-streamed
+    answer (text, tokens, logprobs) at temperature 0, for n = 2 and for max_tokens = 0 (the prompt alone)."""
+    text = "the cat sat"
+    kw = dict(model=NAME, prompt=text, echo=True, logprobs=1, temperature=0)
+    for max_tokens, n in ((4, 2), (0, 1)):
+        whole = client.completions.create(max_tokens=max_tokens, n=n, **kw)
+        texts, tokens, lps, first = {}, {}, {}, {}
+        for chunk in client.completions.create(max_tokens=max_tokens, n=n, stream=True, **kw):
+            for ch in chunk.choices:
+                first.setdefault(ch.index, ch)
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+                tokens.setdefault(ch.index, []).extend(ch.logprobs.tokens)
+                lps.setdefault(ch.index, []).extend(ch.logprobs.token_logprobs)
+        assert sorted(texts) == list(range(n))
+        for ch in whole.choices:
+            i = ch.index
+            assert first[i].text.startswith(text) and first[i].logprobs.token_logprobs[0] is None
+            assert texts[i] == ch.text and tokens[i] == ch.logprobs.tokens
+            assert max(abs((a or 0) - (b or 0)) for a, b in zip(lps[i], ch.logprobs.token_logprobs)) <= TOL
+        if max_tokens == 0:
+            assert texts[0] == text
+
+
 def test_max_tokens_zero_without_scoring_is_a_400(server):
     """vLLM refuses max_tokens=0 unless the prompt is echoed or scored."""
     err = _post(server, "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 0}, 400)["error"]
@@ -235,13 +260,51 @@ def test_metrics_have_vllms_names(server, client):
                  "vllm:num_preemptions_total"):
         assert f"\n{name}{{" in text, name
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                  "vllm:iteration_tokens_total", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
         assert f"# TYPE {name} histogram" in text, name
         count = next(line for line in text.splitlines() if line.startswith(name + "_count"))
         assert float(count.rsplit(" ", 1)[1]) >= 1, count
     usage = next(line for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc"))
     assert float(usage.rsplit(" ", 1)[1]) == 0.0
+
+
+def _histogram(text, name):
+    """(count, {le: cumulative count}) of a histogram in Prometheus text."""
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket"):
+            buckets[line.split('le="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    count = next(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "_count"))
+    return count, buckets
+
+
+def test_inter_token_latency_is_observed_per_token(server):
+    """test_metrics.py (inter_token_latency_seconds: one observation per output token after the first, the time
+    since the previous token): a stream held by /pause?mode=keep for 0.8 s between two of its tokens adds exactly
+    one observation above 0.5 s, and n - 1 in all; a per-sample mean would spread the pause over every token.
+    ``request_time_per_output_token_seconds`` gets one observation per sample."""
+    name, per_request = "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"
+    before = httpx.get(server + "/metrics").text
+    (c0, b0), (r0, _) = _histogram(before, name), _histogram(before, per_request)
+    n_tokens = 200
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the first token is out
+        httpx.post(server + "/pause", params={"mode": "keep"})
+        import time
+
+        time.sleep(0.8)
+        httpx.post(server + "/resume")
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    after = httpx.get(server + "/metrics").text
+    (c1, b1), (r1, _) = _histogram(after, name), _histogram(after, per_request)
+    assert c1 - c0 == n_tokens - 1 and r1 - r0 == 1
+    slow = (c1 - b1["0.5"]) - (c0 - b0["0.5"])
+    assert slow == 1, (slow, b1)
 
 
 def test_image_url_must_be_an_object(server):

@@ -111,4 +111,6 @@ class OutputProcessor:
             s.request_id, s.sample_index, s.output_ids[d:], s.output_logprobs[d:], s.output_versions[d:], new_text,
             None if s.top_logprobs is None else s.top_logprobs[d:], s.finish_reason if finished else None,
             s.stop_reason if finished else None, s.to_output() if finished else None)
+        if d == 0 and s.prompt_scores is not None:  # scored at prefill: a stream can echo the prompt first
+            delta.prompt_logprobs = s.prompt_scores.as_dicts(s.sampling.prompt_logprobs or 0)[0]
         return delta, len(s.output_ids), max(sent_chars, len(text))

@@ -105,3 +105,5 @@ class StreamDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output: GenerationOutput | None = None  # the full output, on the last delta
+    # With SamplingParams(prompt_logprobs=k), on the first delta only: the prompt's scores, as on GenerationOutput.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import random
 import time
+from array import array
 from typing import Callable
 
 from .config import SamplingParams
@@ -75,6 +76,8 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.scheduled_time: float | None = None  # first admitted to a step (queue time ends)
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.token_gaps = array("d")  # seconds between consecutive output tokens (vLLM's inter-token latency)
         self.finish_time: float | None = None
         self.num_preemptions = 0
 
@@ -100,8 +103,12 @@ class Sequence:
 
     def append(self, token: int, logprob: float, version: int, top: dict[int, float] | None,
                kv_version: int | None = None, constrained_logprob: float | None = None) -> None:
+        now = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = now
+        else:
+            self.token_gaps.append(now - self.last_token_time)
+        self.last_token_time = now
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
@@ -130,6 +137,7 @@ class Sequence:
             "num_preemptions": self.num_preemptions,
             "prompt_tokens": len(self.prompt.prompt_ids),
             "output_tokens": len(self.output_ids),
+            "inter_token_s": list(self.token_gaps),
         }
         prompt_lps, prompt_ranks = (None, None) if self.prompt_scores is None else \
             self.prompt_scores.as_dicts(self.sampling.prompt_logprobs or 0)

@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body
 from ..engine.engine import RequestStream
-from .scoring import echo_logprobs, prompt_logprobs_json, truncate_prompt
+from .scoring import echo_logprobs, echo_stream_logprobs, prompt_logprobs_json, truncate_prompt
 from .state import ClientDisconnected, ServerState, run_until_disconnect
 from .structured import from_response_format, tool_choice_outputs
 from .tool_stream import ToolCallStream
@@ -87,8 +87,9 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
     if req.prompt_logprobs is not None and req.prompt_logprobs > state.options.max_logprobs:
         raise APIError(f"prompt_logprobs must be at most {state.options.max_logprobs} (the server's --max-logprobs), "
                        f"got {req.prompt_logprobs}", param="prompt_logprobs")
-    if req.stream and (prompt_logprobs is not None or req.echo):
-        name = "echo" if req.echo else "prompt_logprobs"
+    # vLLM: no prompt_logprobs in a stream; a streamed completion echoes its prompt first (chat's echo: not here).
+    if req.stream and (req.prompt_logprobs is not None or req.echo and not isinstance(req, CompletionRequest)):
+        name = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
         raise APIError(f"{name} is not available when stream is true on this server", param=name)
     requested = from_response_format(req.response_format, getattr(req, "structured_outputs", None))
     if requested is not None and structured is not None:
@@ -488,7 +489,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
     continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
     n = prep.n
     total = len(prep.requests) * n
-    sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
+    sent_prompt, echoed, offsets, ntoks = [False] * total, [False] * total, [0] * total, [0] * total
     guards = [StreamGuard(None) for _ in range(total)]
     texts = [""] * total
     prompt_tokens = sum(len(p) for p in prep.prompt_ids)
@@ -503,12 +504,16 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
             texts[idx] += d.text
             text = guards[idx].feed(texts[idx]) if d.finish_reason is None else \
                 guards[idx].finish(None, _text(state, d.output, req))
+            lp_in = (d.token_ids, d.logprobs, d.top_logprobs)
+            if prep.echo_texts is not None and not echoed[idx]:
+                echoed[idx] = True
+                text = prep.echo_texts[k] + text
+                lp_in = echo_stream_logprobs(prep.prompt_ids[k], d)
             choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
                       "stop_reason": d.stop_reason}
             if prep.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(state, prep, d.token_ids, d.logprobs, d.top_logprobs,
-                                                          offsets[idx])
-                offsets[idx] += sum(len(state.token_str(t)) for t in d.token_ids)
+                choice["logprobs"] = _completion_logprobs(state, prep, *lp_in, offsets[idx])
+                offsets[idx] += sum(len(state.token_str(t)) for t in lp_in[0])
             if req.return_token_ids:
                 if not sent_prompt[idx]:
                     choice["prompt_token_ids"] = prep.prompt_ids[k]

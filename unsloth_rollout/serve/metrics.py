@@ -1,9 +1,9 @@
 """``/metrics``: Prometheus text with vLLM's metric names, so a vLLM dashboard reads this server unchanged.
 
 Per-request latencies are observed when a sample finishes (from ``GenerationOutput.metrics``): time to first
-token, end-to-end, queue (arrival to first admission), prefill / decode split, and the inter-token latency
-(each sample's decode time spread evenly over its tokens after the first: the engine does not stamp every
-token). ``vllm:iteration_tokens_total`` is observed by the engine after every step; prefix-cache queries and
+token, end-to-end, queue (arrival to first admission), prefill / decode split, the inter-token latency (one
+observation per output token after the first: the time since the sample's previous token, as vLLM's) and each
+sample's mean time per output token. ``vllm:iteration_tokens_total`` is observed by the engine after every step; prefix-cache queries and
 hits count prompt tokens, as vLLM's do. ``vllm:kv_cache_usage_perc`` counts the blocks requests hold (blocks
 only the prefix cache holds are reusable, as in vLLM: an idle server reports 0).
 
@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 
@@ -40,6 +41,13 @@ class Histogram:
             self.counts[i] += times
             self.sum += value * times
 
+    def observe_each(self, values) -> None:
+        """One observation per value (under one lock)."""
+        with self._lock:
+            for v in values:
+                self.counts[bisect.bisect_left(self.buckets, v)] += 1  # the first bucket with v <= le
+                self.sum += v
+
     def lines(self, name: str, labels: str) -> list[str]:
         with self._lock:
             counts, total = list(self.counts), self.sum
@@ -57,8 +65,11 @@ class ServerMetrics:
 
     HISTOGRAMS = {
         "vllm:time_to_first_token_seconds": ("Time to first token.", _LATENCY_BUCKETS),
-        "vllm:inter_token_latency_seconds": ("Time between output tokens (per-sample mean).", _ITL_BUCKETS),
-        "vllm:time_per_output_token_seconds": ("Time per output token (per-sample mean).", _ITL_BUCKETS),
+        "vllm:inter_token_latency_seconds": ("Time between consecutive output tokens (one per token).",
+                                             _ITL_BUCKETS),
+        "vllm:request_time_per_output_token_seconds": ("Mean time per output token (one per sample).", _ITL_BUCKETS),
+        # vLLM keeps the old name as a deprecated alias of the inter-token latency.
+        "vllm:time_per_output_token_seconds": ("DEPRECATED: use vllm:inter_token_latency_seconds.", _ITL_BUCKETS),
         "vllm:e2e_request_latency_seconds": ("End-to-end request latency.", _LATENCY_BUCKETS),
         "vllm:request_queue_time_seconds": ("Time in the waiting queue.", _LATENCY_BUCKETS),
         "vllm:request_inference_time_seconds": ("Time running (admission to finish).", _LATENCY_BUCKETS),
@@ -95,9 +106,10 @@ class ServerMetrics:
             if latency is not None:
                 h["vllm:request_decode_time_seconds"].observe(latency - ttft)
                 if n > 1:
-                    mean = (latency - ttft) / (n - 1)
-                    h["vllm:inter_token_latency_seconds"].observe(mean, n - 1)
-                    h["vllm:time_per_output_token_seconds"].observe(mean, n - 1)
+                    h["vllm:request_time_per_output_token_seconds"].observe((latency - ttft) / (n - 1))
+        gaps = m.get("inter_token_s") or ()
+        h["vllm:inter_token_latency_seconds"].observe_each(gaps)
+        h["vllm:time_per_output_token_seconds"].observe_each(gaps)
 
 
 def _request_kv_usage(engine, stats: dict) -> float:

@@ -51,8 +51,17 @@ def prompt_logprobs_json(state, out) -> list | None:
 
 def echo_logprobs(out):
     """(ids, logprobs, tops) of an echoed completion: the prompt's (first None) then the output's."""
-    prompt = out.prompt_logprobs or [None] * len(out.prompt_ids)
-    lps = [None if d is None else next(iter(d.values())) for d in prompt] + list(out.output_logprobs)
-    tops = [None if d is None else dict(list(d.items())[1:]) for d in prompt] + list(out.top_logprobs or
-                                                                                      [{}] * len(out.output_ids))
-    return list(out.prompt_ids) + list(out.output_ids), lps, tops
+    return _echoed(out.prompt_ids, out.prompt_logprobs, out.output_ids, out.output_logprobs, out.top_logprobs)
+
+
+def echo_stream_logprobs(prompt_ids, delta):
+    """(ids, logprobs, tops) of a stream's first chunk with echo: the prompt's, then the delta's tokens (vLLM
+    streams the prompt in the first chunk of each choice)."""
+    return _echoed(prompt_ids, delta.prompt_logprobs, delta.token_ids, delta.logprobs, delta.top_logprobs)
+
+
+def _echoed(prompt_ids, prompt_lps, ids, lps, tops):
+    prompt = prompt_lps or [None] * len(prompt_ids)
+    all_lps = [None if d is None else next(iter(d.values())) for d in prompt] + list(lps)
+    all_tops = [None if d is None else dict(list(d.items())[1:]) for d in prompt] + list(tops or [{}] * len(ids))
+    return list(prompt_ids) + list(ids), all_lps, all_tops
