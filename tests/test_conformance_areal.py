@@ -131,3 +131,23 @@ def test_in_process_compute_logp_vlm():
         engine.destroy()
         rollout.shutdown()
     _check(policy, batch, got, pixel_values=prepared.pixel_values, image_grid_thw=prepared.image_grid_thw)
+
+
+def test_areals_model_request_carries_no_structured_outputs():
+    """AReaL 1.0.4's ``ModelRequest`` (areal/api/io_struct.py) and its ``GenerationHyperparameters`` hold no
+    response_format / JSON schema / regex / grammar field, and ``ArealOpenAI.chat.completions.create`` takes
+    ``response_format`` only into ``**kwargs``, where AReaL drops it: no constraint reaches an inference engine, so
+    ``UnslothInferenceEngine.agenerate`` has none to honour (the server's response_format is the constrained path).
+    If AReaL adds such a field this fails, naming it, so the engine can take it up."""
+    import dataclasses
+    import inspect
+
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+    from areal.experimental.openai.client import AsyncCompletionsWithReward
+
+    words = ("format", "schema", "json", "regex", "grammar", "guided", "structured", "choice")
+    for cls in (ModelRequest, GenerationHyperparameters):
+        found = [f.name for f in dataclasses.fields(cls) if any(w in f.name for w in words)]
+        assert not found, f"{cls.__name__} now carries {found}: pass it to the engine's structured_outputs"
+    assert "response_format" not in inspect.signature(AsyncCompletionsWithReward.create).parameters
