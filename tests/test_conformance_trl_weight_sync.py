@@ -158,6 +158,45 @@ def test_unpacked_layout_and_an_explicit_weight_version(server, client, model_di
     client.update_model_params(AutoModelForCausalLM.from_pretrained(model_dir))  # back to the checkpoint
 
 
+def test_a_request_in_flight_continues_on_the_new_weights(server, client, model_dir):
+    """A stream running while the weights change is held, not aborted, and every token it returns is scored by the
+    weights that sampled it: its logprobs equal the old weights' teacher forcing up to some token and the new
+    weights' after it (no token is scored by a mix, no KV from the old weights is reused)."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.2)
+    prompt, n_tokens = [5, 6, 7, 8], 200
+    body = {"prompt": prompt, "max_tokens": n_tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True}
+    ids, lps = [], []
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        import json
+
+        for i, line in enumerate(lines):
+            ch = json.loads(line[6:])["choices"][0]
+            ids += ch["token_ids"]
+            lps += ch["logprobs"]["token_logprobs"]
+            if i == 0:
+                client.update_model_params(new)
+    assert len(ids) == n_tokens
+
+    def scored(model):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+
+    got, by_old, by_new = torch.tensor(lps), scored(old), scored(new)
+    k = next(i for i in range(n_tokens) if abs(got[i] - by_old[i]) > TOL)
+    assert 0 < k < n_tokens, k  # the switch happened mid-stream
+    assert (got[:k] - by_old[:k]).abs().max() <= TOL and (got[k:] - by_new[k:]).abs().max() <= TOL
+    client.update_model_params(old)
+
+
 @pytest.mark.parametrize("case", ["shape", "dtype", "name"])
 def test_a_tensor_that_does_not_fit_is_received_refused_by_name_and_nothing_changes(server, client, case):
     """vLLM's ``load_weights`` raises on a tensor that does not fit; here it is a 400 naming the tensor, after the
