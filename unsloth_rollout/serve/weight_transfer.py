@@ -247,6 +247,13 @@ async def _body(raw: Request) -> dict:
     return body
 
 
+async def _required(raw: Request, key: str):
+    value = (await _body(raw)).get(key)
+    if value is None:
+        raise APIError(f"Missing '{key}' in request body", param=key)
+    return value
+
+
 def install_weight_transfer_routes(app, state) -> None:
     """vLLM's four transfer routes on ``app``: served when ``state.options.weight_transfer_config`` is set, 501
     naming the alternatives otherwise; TRL's ``trl vllm-serve`` routes always answer 501."""
@@ -274,10 +281,7 @@ def install_weight_transfer_routes(app, state) -> None:
     async def init_weight_transfer_engine(raw: Request):
         """Join the trainer's gloo group: ``{"init_info": {"master_address", "master_port", "rank_offset": 1,
         "world_size": 2, "packed": true}}`` (returns once the trainer has joined too)."""
-        info = (await _body(raw)).get("init_info")
-        if info is None:
-            raise APIError("Missing 'init_info' in request body", param="init_info")
-        await asyncio.to_thread(receiver.init, info)
+        await asyncio.to_thread(receiver.init, await _required(raw, "init_info"))
         return {"message": "Weight transfer initialized"}
 
     async def start_weight_update(raw: Request):
@@ -286,10 +290,7 @@ def install_weight_transfer_routes(app, state) -> None:
 
     async def update_weights(raw: Request):
         """Receive ``{"update_info": {"names", "dtype_names", "shapes"}}`` by broadcast, then write them in place."""
-        info = (await _body(raw)).get("update_info")
-        if info is None:
-            raise APIError("Missing 'update_info' in request body", param="update_info")
-        await asyncio.to_thread(receiver.update, info)
+        await asyncio.to_thread(receiver.update, await _required(raw, "update_info"))
         return {"message": "Weights updated"}
 
     async def finish_weight_update(raw: Request):
