@@ -106,6 +106,16 @@ def test_server_info_reports_the_gloo_transfer_and_nccl_is_refused_by_name():
         build_app(args)  # refused before the model is loaded
 
 
+def test_init_info_that_cannot_be_served_is_a_400_naming_the_field(server):
+    """vLLM answers a bad ``init_weight_transfer_engine`` body with 400 before any rendezvous; so does this server,
+    naming the field (this server is one worker: world_size must be rank_offset + 1)."""
+    good = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    for body, param in (({}, "init_info"), ({"init_info": {**good, "world_size": 3}}, "init_info.world_size"),
+                        ({"init_info": {**good, "master_port": "x"}}, "init_info.master_port")):
+        r = httpx.post(server + "/init_weight_transfer_engine", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_init_communicator_joins_and_update_named_param_writes_in_place(server, client, model_dir):
     """TRL's ``init_communicator`` + ``update_named_param`` (test_vllm_client_server.py): one tensor broadcast into
     the served model changes what it computes, exactly as the same change does in a local copy; the weight version
