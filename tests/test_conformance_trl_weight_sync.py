@@ -108,10 +108,15 @@ def test_server_info_reports_the_gloo_transfer_and_nccl_is_refused_by_name():
 
 def test_init_info_that_cannot_be_served_is_a_400_naming_the_field(server):
     """vLLM answers a bad ``init_weight_transfer_engine`` body with 400 before any rendezvous; so does this server,
-    naming the field (this server is one worker: world_size must be rank_offset + 1)."""
-    good = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    naming the field (this server is one worker: world_size must be rank_offset + 1). vLLM's own init_info, as
+    TRL's client sends it on CUDA before opening an NCCL group, lacks ``backend: "gloo"``: refused by name rather
+    than joined with the wrong transport."""
+    good = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+            "world_size": 2}
+    vllm_nccl = {k: v for k, v in good.items() if k != "backend"} | {"packed": True}
     for body, param in (({}, "init_info"), ({"init_info": {**good, "world_size": 3}}, "init_info.world_size"),
-                        ({"init_info": {**good, "master_port": "x"}}, "init_info.master_port")):
+                        ({"init_info": {**good, "master_port": "x"}}, "init_info.master_port"),
+                        ({"init_info": vllm_nccl}, "init_info.backend")):
         r = httpx.post(server + "/init_weight_transfer_engine", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -9,6 +9,9 @@ engine is not implemented: ``{"backend": "nccl"}`` is refused at start by name, 
 answers 501 naming the alternatives. TRL's own trainer refuses a non-CUDA device before it gets here;
 ``unsloth_rollout.testing.trl_cpu.allow_grpo_server_mode_on_cpu`` gives it the gloo end of the wire.
 
+The payloads are vLLM's, plus ``"backend": "gloo"`` in ``init_info``: without it the client is vLLM's NCCL end
+(TRL on CUDA), which would wait in an NCCL rendezvous this server never joins, so it is refused (400) by name.
+
 Every tensor is checked before a byte is written: a known name, the served weight's dtype and shape; otherwise
 the broadcast is still received (so the sender is not left hanging), nothing is written, and the answer is 400
 naming the tensor. From the first write to finish the engine holds a pause ("weight_transfer", mode keep): requests
@@ -97,6 +100,11 @@ class WeightReceiver:
     def init(self, init_info) -> None:
         if not isinstance(init_info, dict):
             raise InvalidRequestError("init_info", f"init_info must be an object, got {init_info!r}")
+        if init_info.get("backend") != "gloo":  # vLLM's NCCL client would wait for an NCCL peer that never comes
+            raise InvalidRequestError("init_info.backend", "this server transfers weights over gloo: init_info must "
+                                      "say \"backend\": \"gloo\"; vLLM's NCCL trainer end (TRL's client on CUDA) "
+                                      "is not joined (on CPU: unsloth_rollout.testing.trl_cpu."
+                                      "allow_grpo_server_mode_on_cpu)")
         address = _field(init_info, "master_address", str, "init_info")
         port = _field(init_info, "master_port", int, "init_info")
         rank = _field(init_info, "rank_offset", int, "init_info")
@@ -279,8 +287,8 @@ def install_weight_transfer_routes(app, state) -> None:
     receiver = state.weight_receiver = WeightReceiver(state.engine, config)
 
     async def init_weight_transfer_engine(raw: Request):
-        """Join the trainer's gloo group: ``{"init_info": {"master_address", "master_port", "rank_offset": 1,
-        "world_size": 2, "packed": true}}`` (returns once the trainer has joined too)."""
+        """Join the trainer's gloo group: ``{"init_info": {"backend": "gloo", "master_address", "master_port",
+        "rank_offset": 1, "world_size": 2, "packed": true}}`` (returns once the trainer has joined too)."""
         await asyncio.to_thread(receiver.init, await _required(raw, "init_info"))
         return {"message": "Weight transfer initialized"}
 

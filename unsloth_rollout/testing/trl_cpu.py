@@ -94,15 +94,16 @@ def _ip_towards(host: str) -> str:
 
 def _gloo_init_communicator(self, device=0):
     """TRL 1.16's ``VLLMClient.init_communicator`` with gloo for NCCL: the same server_info check, init_info
-    (trainer rank 0, workers from rank_offset 1, packed) and concurrent POST; the group is ``GlooTransferGroup``."""
+    (trainer rank 0, workers from rank_offset 1, packed; plus ``backend: "gloo"``, which the server requires) and
+    concurrent POST; the group is ``GlooTransferGroup``."""
     from ..serve.weight_wire import GlooTransferGroup
 
     if self.get_server_info()["weight_transfer_config"] is None:
         raise RuntimeError(f"The vLLM server at {self.base_url} has no weight-transfer engine. Restart it with "
                            """`--weight-transfer-config '{"backend": "gloo"}'`.""")
     world_size = self.get_world_size() + 1
-    init_info = {"master_address": _ip_towards(self.host), "master_port": self.group_port, "rank_offset": 1,
-                 "world_size": world_size, "packed": True}
+    init_info = {"backend": "gloo", "master_address": _ip_towards(self.host), "master_port": self.group_port,
+                 "rank_offset": 1, "world_size": world_size, "packed": True}
     # The group's constructor waits for the server; a daemon thread, so a server that refuses (400) is reported
     # at once instead of after the rendezvous timeout.
     joined: Future = Future()
