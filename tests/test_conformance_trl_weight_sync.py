@@ -10,6 +10,7 @@ nothing else. Oracles: TRL's own recomputed logprobs (``sampling/sampling_logp_d
 on the trainer's model, a forward of the trainer's model for prompt logprobs.
 """
 
+import json
 import os
 
 import pytest
@@ -190,8 +191,6 @@ def test_a_request_in_flight_continues_on_the_new_weights(server, client, model_
     ids, lps = [], []
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
         lines = (line for line in r.iter_lines() if line.startswith("data: {"))
-        import json
-
         for i, line in enumerate(lines):
             ch = json.loads(line[6:])["choices"][0]
             ids += ch["token_ids"]
