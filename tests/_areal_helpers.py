@@ -53,7 +53,7 @@ class ForcedOutput:
     def __init__(self, rollout_engine, ids):
         """``ids``: the token ids to emit, or ``ids(seq) -> token ids`` choosing per sequence (by its prompt)."""
         self.engine = rollout_engine
-        self.inner = rollout_engine.sampler
+        self.inner = rollout_engine.core.sampler
         self.script = ids if callable(ids) else (lambda seq, ids=list(ids): ids)
         eos = rollout_engine.tokenizer.eos_token_id  # the chat turn's end (<|im_end|>), as a chat model ends
         self.eos = eos if eos is not None else rollout_engine.eos_ids[0]

@@ -120,7 +120,7 @@ def test_in_process_compute_logp_vlm():
     engine.initialize()
     try:
         img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))
-        prepared = rollout.inputs.prepare(GenerationRequest(messages=[{"role": "user", "content": [
+        prepared = rollout.prepare(GenerationRequest(messages=[{"role": "user", "content": [
             {"type": "image", "image": img}, {"type": "text", "text": "what is it?"}]}]))
         ids = list(prepared.prompt_ids) + [30, 31, 32, 33]
         batch = _batch([(ids, 4)])

@@ -19,7 +19,7 @@ def test_compiled_decode_matches_hf_generate(qwen2_dir):
     sampled = engine.generate([GenerationRequest(input_ids=reqs[1].input_ids, sampling=SamplingParams(
         max_new_tokens=10, temperature=0.8, seed=1))])[0]
     engine.shutdown()
-    assert engine.runner._compiled is not None
+    assert engine.core.runner._compiled is not None
     for r, o in zip(reqs, outs):
         ref = policy.model.generate(torch.tensor([r.input_ids]), max_new_tokens=10, do_sample=False)
         assert o.output_ids == ref[0, len(r.input_ids):].tolist()

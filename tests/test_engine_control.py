@@ -88,7 +88,7 @@ def test_lora_step_on_shared_weights_then_set_version(policy):
 
 def test_abort_frees_kv_and_others_continue(policy):
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, prefix_cache=False))
-    total = engine.kv.num_blocks
+    total = engine.core.kv.num_blocks
     rs = reqs(policy, 60)
     futs = [engine.submit(r) for r in rs]
     wait_for(lambda: engine.stats()["decode_tokens"] >= 2 * len(rs))
@@ -98,13 +98,13 @@ def test_abort_frees_kv_and_others_continue(policy):
     rest = [f.result(timeout=120)[0] for f in futs[1:]]
     assert all(o.error is None and o.finish_reason in ("length", "stop") for o in rest)
     assert all(o.output_ids == greedy_ref(policy, r.input_ids, 60) for r, o in zip(rs[1:], rest))
-    assert engine.kv.num_free_blocks == total, "KV blocks leaked"
+    assert engine.core.kv.num_free_blocks == total, "KV blocks leaked"
     engine.shutdown()
 
 
 def test_too_long_request_is_rejected_while_others_complete(policy):
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=1 << 20, max_model_len=4096))
-    slots = engine.kv.num_slots
+    slots = engine.core.kv.num_slots
     ok = reqs(policy, 8)[:2]
     huge = GenerationRequest(input_ids=policy.tokenizer.encode("word") * 10, sampling=SamplingParams(
         max_new_tokens=slots + 100, temperature=0))
@@ -178,7 +178,7 @@ def test_agenerate_from_many_threads_and_loops_and_stream(policy):
     asyncio.run(disconnect(r))
     wait_for(lambda: engine.stats()["num_running"] == 0)
     engine.invalidate_prefix_cache()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
     engine.shutdown()
 
 
@@ -187,7 +187,7 @@ def test_offload_and_onload(policy):
     rs = reqs(policy, 10)
     first = [o.output_ids for o in engine.generate(rs)]
     engine.offload()
-    assert engine.kv.memory_bytes == 0
+    assert engine.core.kv.memory_bytes == 0
     fut = engine.submit(reqs(policy, 10)[0])
     time.sleep(0.1)
     assert not fut.done()
@@ -229,7 +229,7 @@ def test_a_failing_prompt_in_a_packed_prefill_fails_alone(policy):
     others are prefilled again on their own and complete (checked against HF greedy), only that one fails."""
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)
     bad = 3  # the prompt whose prefill raises
-    real = engine.runner.prefill_packed
+    real = engine.core.runner.prefill_packed
 
     def faulty(items, *args, **kwargs):
         if any(len(ids) == len(policy.tokenizer.encode(PROMPTS[bad])) and list(ids) == policy.tokenizer.encode(
@@ -237,7 +237,7 @@ def test_a_failing_prompt_in_a_packed_prefill_fails_alone(policy):
             raise RuntimeError("injected prefill fault")
         return real(items, *args, **kwargs)
 
-    engine.runner.prefill_packed = faulty
+    engine.core.runner.prefill_packed = faulty
     reqs = [GenerationRequest(input_ids=policy.tokenizer.encode(p), sampling=SamplingParams(max_new_tokens=6,
                                                                                               temperature=0))
             for p in PROMPTS[:5]]

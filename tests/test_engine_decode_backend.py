@@ -153,7 +153,7 @@ def test_offload_releases_the_workspace(qwen2_dir):
     try:
         [out] = engine.generate(GenerationRequest(input_ids=policy.tokenizer.encode("alice and bob"),
                                                   sampling=SamplingParams(max_new_tokens=8, temperature=0)))
-        ws = engine.runner.workspace
+        ws = engine.core.runner.workspace
         held = sum(t.numel() * t.element_size() for t in ws.k + ws.v)
         assert held > 0 and engine.stats()["decode_workspace_bytes"] == held
         engine.offload()

@@ -44,7 +44,7 @@ def served(qwen2_dir):
 
 def test_static_decode_is_warm_at_start_and_never_recompiles(served):
     policy, engine = served
-    st = engine.runner.static
+    st = engine.core.runner.static
     stats = engine.stats()
     assert stats["decode_backend"] == "static" and stats["decode_warmup_s"] > 0
     graphs = _graphs()
@@ -63,7 +63,7 @@ def test_static_decode_is_warm_at_start_and_never_recompiles(served):
         outs = engine.generate(reqs)
         for r, o in zip(reqs, outs):
             assert o.output_ids == _greedy(policy, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:5]
-    assert engine.runner.workspace.k[0].shape[2] > 256 and engine.runner.workspace.k[0].shape[0] >= 16
+    assert engine.core.runner.workspace.k[0].shape[2] > 256 and engine.core.runner.workspace.k[0].shape[0] >= 16
     assert st.steps - steps0 >= 20 and st.eager_steps == 0
     assert _graphs() == graphs and st.recompiles == 0 and engine.stats()["decode_recompiles"] == 0
 
@@ -102,7 +102,7 @@ def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
     perturb_lora(other.model, std=0.3, seed=7)
     other.model.save_pretrained(str(tmp_path / "b"))
     engine.load_lora_adapter("b", str(tmp_path / "b"))
-    st = engine.runner.static
+    st = engine.core.runner.static
     eager0 = st.eager_steps
     ids = policy.tokenizer.encode("Bob and Carol went to")
     outs = engine.generate([_req(ids, 10), _req(ids, 10, lora_name="b")])
@@ -129,8 +129,8 @@ def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
                                                                                          temperature=0))
             for k, text in ((1, "what is it"), (2, "compare the two pictures please"), (0, "alice counts"))]
         outs = engine.generate(reqs)
-        graphs, suppress = _graphs(), engine.sampler.suppress_ids or None
-        assert engine.runner.static.steps > 0 and engine.runner.static.eager_steps == 0
+        graphs, suppress = _graphs(), engine.core.sampler.suppress_ids or None
+        assert engine.core.runner.static.steps > 0 and engine.core.runner.static.eager_steps == 0
     finally:
         engine.shutdown()
     for r, o in zip(reqs, outs):

@@ -46,7 +46,7 @@ def hf_greedy(policy, engine, req, max_new):
         inputs["pixel_values"] = inputs["pixel_values"].to(policy.dtype)
     policy.clear_rope_deltas()
     out = policy.model.generate(**inputs, max_new_tokens=max_new, do_sample=False,
-                                suppress_tokens=engine.sampler.suppress_ids or None)
+                                suppress_tokens=engine.core.sampler.suppress_ids or None)
     return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
@@ -117,7 +117,7 @@ def test_logprob_parity_with_batching_and_group_sharing(model_dirs, arch, temper
     # The oracle is the trainer's view: an fp32 teacher-forced forward of the same model (what AReaL recomputes).
     worst = 0.0
     for out in outs:
-        prompt = engine.inputs.prepare(next(r for r in group_reqs if r.request_id == out.request_id))
+        prompt = engine.prepare(next(r for r in group_reqs if r.request_id == out.request_id))
         ref, logits = teacher_forced_logprobs(policy, out.prompt_ids, out.output_ids, temperature,
                                               prompt.pixel_values, prompt.image_grid_thw)
         got = torch.tensor(out.output_logprobs)

@@ -149,7 +149,7 @@ def test_an_image_span_is_the_one_documented_exception(qwen2_5_vl_dir):
         msgs = [{"role": "user", "content": [{"type": "text", "text": "look:"}, {"type": "image"},
                                              {"type": "text", "text": text}]}]
         sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-        prompt = engine.inputs.prepare(GenerationRequest(messages=msgs, images=[Image.new("RGB", (56, 56), "red")]))
+        prompt = engine.prepare(GenerationRequest(messages=msgs, images=[Image.new("RGB", (56, 56), "red")]))
         shapes.clear()
         [out] = engine.generate(GenerationRequest(prepared=prompt, sampling=sp))
     finally:

@@ -69,7 +69,7 @@ def test_next_turn_prefills_only_its_new_tokens(family):
         else:
             first = GenerationRequest(messages=[{"role": "user", "content": TEXT}])
         first.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-        p1 = engine.inputs.prepare(first)
+        p1 = engine.prepare(first)
         [out1] = engine.generate(GenerationRequest(prepared=p1, sampling=first.sampling))
         # The next turn, token for token: the first prompt, its answer, and a new user message (long enough to
         # run past Mistral's sliding window from the cached part).
@@ -159,7 +159,7 @@ def test_a_long_prompt_is_prefilled_in_chunks(family, continue_calls):
         else:
             req = GenerationRequest(messages=[{"role": "user", "content": text}])
         req.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=0)
-        prompt = engine.inputs.prepare(req)
+        prompt = engine.prepare(req)
         [out] = engine.generate(GenerationRequest(prepared=prompt, sampling=req.sampling))
     finally:
         engine.shutdown()
@@ -185,7 +185,7 @@ def test_a_long_next_turn_is_prefilled_in_chunks_too(continue_calls):
                                                 prefill_chunk_tokens=64), seed=0)
     try:
         sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-        p1 = engine.inputs.prepare(GenerationRequest(messages=[{"role": "user", "content": TEXT}]))
+        p1 = engine.prepare(GenerationRequest(messages=[{"role": "user", "content": TEXT}]))
         [out1] = engine.generate(GenerationRequest(prepared=p1, sampling=sp))
         ids2 = list(p1.prompt_ids) + list(out1.output_ids) + policy.tokenizer.encode(
             f" and then {TEXT}, {TEXT} and {TEXT} again", add_special_tokens=False)

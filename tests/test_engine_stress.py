@@ -65,7 +65,7 @@ def test_churn_loses_nothing(qwen2_dir, n_requests):
         assert not t.is_alive(), "a client hung"
     stats = engine.stats()
     engine.invalidate_prefix_cache()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks, "KV blocks leaked"
     engine.shutdown()
     assert len(results) == n_requests // 8 * 8
     refs = {}

@@ -169,7 +169,7 @@ def test_offload_onload_never_release_the_callers_pause(policy):
     wait_for(lambda: engine.stats()["decode_tokens"] >= 3 * 8)
     engine.pause("keep")
     engine.offload()
-    at_pause = {(s.request_id, s.sample_index): len(s.output_ids) for s in engine.scheduler.waiting}
+    at_pause = {(s.request_id, s.sample_index): len(s.output_ids) for s in engine.core.scheduler.waiting}
     assert len(at_pause) == 8
     old = lora_state(policy)
     optimizer_step(policy, "sgd")

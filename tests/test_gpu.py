@@ -75,7 +75,7 @@ def run_engine(policy, reqs):
 
 def forward_logprobs(policy, engine, req, out):
     """The trainer's view: (logprobs of the output tokens, raw logits) from one teacher-forced forward."""
-    prompt = engine.inputs.prepare(req)
+    prompt = engine.prepare(req)
     return teacher_forced_logprobs(policy, out.prompt_ids, out.output_ids, 1.0, prompt.pixel_values,
                                    prompt.image_grid_thw)
 
@@ -108,7 +108,7 @@ def check_bf16_tolerance(path, device="cuda"):
         diffs.append((got - ref).abs())
         if req.sampling.greedy:
             lp = torch.log_softmax(logits, dim=-1)
-            lp[:, list(engine.sampler.suppress_ids or [])] = float("-inf")  # never sampled (vision tokens)
+            lp[:, list(engine.core.sampler.suppress_ids or [])] = float("-inf")  # never sampled (vision tokens)
             best = lp.max(dim=-1).values
             assert ((best - ref) <= BF16_TOL).all(), f"greedy token not within {BF16_TOL} of the best logprob"
     d = torch.cat(diffs)

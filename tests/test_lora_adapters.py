@@ -66,7 +66,7 @@ def test_named_vision_lora_adapter_exact_in_mixed_packs(family, tmp_path):
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     outs = one_step(engine, [GenerationRequest(messages=messages(i, len(im)), images=im or None, lora_name=name,
                                                sampling=sp) for name, i, im in rows])
-    stats, suppress = engine.stats(), engine.sampler.suppress_ids
+    stats, suppress = engine.stats(), engine.core.sampler.suppress_ids
     rows.append(("a1", 6, imgs[2:4]))  # and alone in its step
     outs += one_step(engine, [GenerationRequest(messages=messages(6, 2), images=imgs[2:4], lora_name="a1",
                                                 sampling=sp)])
@@ -142,7 +142,7 @@ def test_failed_forward_leaves_the_shared_model_as_fresh(family, tmp_path):
             GenerationRequest(messages=messages(4, 0), sampling=sp),
             GenerationRequest(messages=messages(5, 1), images=imgs[3:4], lora_name="a1", sampling=sp)]
     outs = one_step(engine, reqs)
-    suppress = engine.sampler.suppress_ids
+    suppress = engine.core.sampler.suppress_ids
     engine.shutdown()
     check_exact(fresh, outs[0], enc, suppress, "unnamed with 2 images after the failures")
     check_exact(fresh, outs[1], processor_inputs(fresh, messages(4, 0), None), suppress, "unnamed text")

@@ -504,7 +504,7 @@ def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, eng
     assert lora_ids != base_out["choices"][0]["token_ids"]
     # Oracle: a teacher-forced forward of the PEFT model; each token is its greedy choice and logprob.
     lp = _teacher_forced(peft_model, prompt + lora_ids, len(lora_ids))
-    suppressed = engine.sampler.suppress_ids
+    suppressed = engine.core.sampler.suppress_ids
     lp_masked = lp.clone()
     lp_masked[:, suppressed] = float("-inf")
     assert lp_masked.argmax(-1).tolist() == lora_ids

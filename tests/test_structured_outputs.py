@@ -125,7 +125,7 @@ def test_unconstrained_rows_are_bit_identical_beside_constrained_ones(engine):
     from unsloth_rollout.engine.inputs import PreparedPrompt
     from unsloth_rollout.engine.sequence import Sequence
 
-    sampler = engine.sampler
+    sampler = engine.core.sampler
     grammar = engine.core.grammars.compile(StructuredOutputs(json=SCHEMAS[1]))
     params = [dict(seed=1, temperature=0.9, top_k=50), dict(seed=2, top_p=0.8), dict(temperature=0.0),
               dict(seed=3, repetition_penalty=1.3, min_new_tokens=2)]

@@ -79,7 +79,7 @@ def test_vlm_family_mixed_batch_exact(family):
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=per_token * 8 * blocks, block_size=8), seed=0)
 
     outs, stats = run_staggered(engine, greedy[:6], greedy[6:] + [group])
-    suppress = engine.sampler.suppress_ids
+    suppress = engine.core.sampler.suppress_ids
     engine.shutdown()
     assert all(o.error is None for out in outs for o in out), [o.error for out in outs for o in out]
     assert stats["num_preemptions"] > 0, "the KV budget was meant to force preemption"

@@ -40,6 +40,7 @@ from areal.utils.data import concat_padded_tensors
 
 from ..engine.inputs import mm_token_type_ids
 from ..models import PolicyModel, load_model
+from ..models import weights as policy_weights
 
 logger = logging.getLogger("ColocatedTrainEngine")
 
@@ -557,27 +558,7 @@ class ColocatedTrainEngine(TrainEngine):
 
     def load(self, meta: SaveLoadMeta):
         """Copy saved weights into the live parameters (in place: the engine keeps its tensors)."""
-        from safetensors.torch import load_file
-
-        model = self.policy.model
-        if hasattr(model, "peft_config"):
-            from peft.utils import set_peft_model_state_dict
-
-            file = os.path.join(meta.path, "adapter_model.safetensors")
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"path: no adapter_model.safetensors in {meta.path!r}")
-            with self.policy.lock, torch.no_grad():
-                set_peft_model_state_dict(model, load_file(file, device=str(self.policy.device)))
-        else:
-            files = sorted(f for f in os.listdir(meta.path) if f.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"path: no *.safetensors in {meta.path!r}")
-            params = dict(model.state_dict())
-            with self.policy.lock, torch.no_grad():
-                for f in files:
-                    for k, v in load_file(os.path.join(meta.path, f)).items():
-                        if k in params:
-                            params[k].copy_(v)
+        policy_weights.load_checkpoint(self.policy, meta.path)
         opt_file = os.path.join(meta.path, "optimizer_state.pt")
         if meta.with_optim and self.optimizer is not None and os.path.isfile(opt_file):
             state = torch.load(opt_file, map_location=self.policy.device, weights_only=False)

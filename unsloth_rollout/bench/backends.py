@@ -153,7 +153,7 @@ class EngineBackend(Backend):
         st = self.engine.stats()
         notes = [(f"prefix-cache hits {st.get('prefix_cache_hits')}, steps {st.get('steps')}, "
                   f"preemptions {st.get('num_preemptions')}; peak memory includes the preallocated "
-                  f"{self.engine.kv.memory_bytes / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
+                  f"{st['kv_cache_bytes'] / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
         return RunOutput(samples, notes, extra={"engine_stats": {k: v for k, v in st.items()
                                                                  if isinstance(v, (int, float, bool))}})
 

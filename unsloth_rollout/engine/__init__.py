@@ -1,9 +1,10 @@
 """The rollout engine: scheduler, runner, sampler and per-sequence state over one PolicyModel."""
 
-from .attention import CacheBypassError, ModelNotServableError, UnsupportedAttentionError
-from .config import EngineConfig, InvalidRequestError, SamplingParams
+from ..errors import (CacheBypassError, EngineStopped, InvalidRequestError, ModelNotServableError, RequestRejected,
+                      UnsupportedAttentionError)
+from .config import EngineConfig, SamplingParams
 from .constraints import StructuredOutputs
-from .engine import EngineStopped, RequestRejected, RolloutEngine
+from .engine import RolloutEngine
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 
 __all__ = [

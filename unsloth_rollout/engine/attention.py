@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import CacheBypassError, ModelNotServableError, UnsupportedAttentionError  # noqa: F401  (re-exported)
+
 ATTN_NAME = "unsloth_rollout_attention"
 CTX_KWARG = "unsloth_rollout_ctx"
 
@@ -34,18 +36,6 @@ BYPASS_REMEDY = ("Load the model with load_model(..., backend='transformers') (l
 
 # Attention-function arguments that change the arithmetic in ways the engine does not reproduce.
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
-
-
-class ModelNotServableError(RuntimeError):
-    """The engine cannot run this model exactly; it stops serving it rather than return wrong tokens."""
-
-
-class CacheBypassError(ModelNotServableError):
-    """The model's attention did not read and write the engine's KV cache: its output would be wrong."""
-
-
-class UnsupportedAttentionError(ModelNotServableError):
-    """The model's attention computes something the engine cannot reproduce exactly."""
 
 
 @dataclass

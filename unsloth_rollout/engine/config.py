@@ -12,20 +12,14 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..errors import InvalidRequestError  # noqa: F401  (re-exported: imported from here)
+
 # "raw_logprobs": log_softmax(raw_logits / T), what a trainer recomputes; "processed_logprobs": the log of the
 # distribution the token was drawn from (penalties, bans, top-k / top-p / min-p applied, renormalised), as vLLM's.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow to inf/NaN.
 SAMPLING_EPS = 1e-5
-
-
-class InvalidRequestError(ValueError):
-    """A request or parameter is invalid; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import InvalidRequestError
+from ..errors import InvalidRequestError
 
 # JSON as json.dumps writes it (and chat templates' tojson render it): the tokens a model samples are the tokens
 # its next turn's template renders back, and a random model cannot pad an answer with whitespace forever.

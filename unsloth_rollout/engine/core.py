@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import nullcontext
-import os
-import threading
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +21,7 @@ from .attention import ModelNotServableError
 from .config import EngineConfig
 from .constraints import GrammarCompiler
 from .inputs import InputPreparer
-from .kv_cache import KVCache
+from .kv_cache import KVCache, build_kv_cache
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry, prefix_key
 from .runner import ModelRunner
@@ -30,37 +29,11 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .scoring import PromptScorer
 from .sequence import Sequence, Status
+from .weights import WeightsClock
 
 logger = logging.getLogger("unsloth_rollout")
 
 PACK_MAX_TOKENS = 4096  # most prompt tokens packed into one prefill forward (its mask is quadratic in them)
-
-
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def build_kv_cache(policy, config: EngineConfig) -> KVCache:
-    """The paged KV cache, sized from ``kv_cache_memory_bytes`` (or a fraction of free memory)."""
-    layers, kv_heads, head_dim = text_dims(policy.text_config)
-    dtype = policy.dtype if policy.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
-    device = policy.device
-    per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
-    budget = config.kv_cache_memory_bytes
-    if budget is None:
-        budget = int(_available_memory_bytes(device) * config.kv_cache_memory_fraction)
-        if device.type != "cuda":
-            budget = min(budget, 1 << 30)
-    num_blocks = max(1, budget // (per_token * config.block_size))
-    return KVCache(layers, kv_heads, head_dim, num_blocks, config.block_size, dtype, device)
 
 
 def eos_token_ids(policy) -> list[int]:
@@ -76,33 +49,25 @@ def eos_token_ids(policy) -> list[int]:
     return sorted(ids)
 
 
-class WeightsClock:
-    """The weight version tokens are stamped with, and stamps saying which weights computed a KV entry.
+@dataclass
+class PrefillJob:
+    """One prompt a prefill forward computes (a fresh prompt, a next turn's new tokens, or a recompute)."""
 
-    Bumped by every weight change (through ``RolloutEngine.weights_changed``); thread-safe."""
+    head: Sequence  # the sequence it is computed for: its adapter, request id and prompt (images)
+    ids: list[int]  # every token of the prompt: its prompt ids, or prompt + output so far for a recompute
+    blocks: list[int]  # the KV blocks its positions are written into
+    start: int = 0  # first position computed (> 0: the positions before are a cached prompt's shared KV)
+    scorer: PromptScorer | None = None  # scores every prompt position (prompt_logprobs)
+    owns_blocks: bool = True  # free ``blocks`` when it is not computed (False: the sequence's own, finish() frees)
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.version = 0
-        self._epoch = 0
-        self._adapters: dict[str, int] = {}
-        self._changes = 0  # bumps so far: a step only looks for stale KV when this moved
+    def runner_item(self, kv: KVCache) -> tuple:
+        """What ``ModelRunner.prefill_packed`` takes per prompt: (ids, slots, prompt[, start])."""
+        return (self.ids, kv.slots(self.blocks, 0, len(self.ids)), self.head.prompt) + ((self.start,) if self.start
+                                                                                      else ())
 
-    def bump(self, version: int | None, lora_name: str | None) -> None:
-        with self._lock:
-            self._changes += 1
-            if lora_name is None:
-                self._epoch += 1
-            else:
-                self._adapters[lora_name] = self._adapters.get(lora_name, 0) + 1
-            if version is not None:
-                self.version = int(version)
-
-    def state(self):
-        """(version, stamp_of(lora_name), number of changes so far), read together."""
-        with self._lock:
-            version, epoch, adapters, changes = self.version, self._epoch, dict(self._adapters), self._changes
-        return version, lambda name: (epoch, adapters.get(name, 0)), changes
+    def release(self, kv: KVCache) -> None:
+        if self.owns_blocks:
+            kv.free(self.blocks)
 
 
 class EngineCore:
@@ -111,7 +76,7 @@ class EngineCore:
         self.config = config
         self.tokenizer = policy.tokenizer
         self.inputs = InputPreparer(policy)
-        self.kv = build_kv_cache(policy, config)
+        self.kv = build_kv_cache(text_dims(policy.text_config), policy.dtype, policy.device, config)
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
@@ -126,7 +91,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.weights = WeightsClock()
-        self._changes_applied = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
                       "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}
@@ -172,41 +136,27 @@ class EngineCore:
             return None
 
     def apply_weight_changes(self, stamp_of, changes: int) -> None:
-        """Drop prefix entries computed by other weights and, by default, put every sequence whose KV was
-        computed by other weights back in line to be recomputed (as preemption does). ``changes``: the
-        clock's count of weight changes with ``stamp_of``; nothing to look at when it has not moved."""
-        if changes == self._changes_applied:
-            return
-        sch = self.scheduler
-        sch.prefix.drop_stale(stamp_of)
-        if self.config.recompute_on_weight_change:
-            for s in reversed(list(sch.running)):  # reversed: preempt() puts each first in line, order is kept
-                if s.num_cached > 0 and s.kv_stamp != stamp_of(s.lora_name):
-                    sch.preempt(s, count=False)
-                    self.stats["weight_recomputes"] += 1
-        self._changes_applied = changes
+        """The stale-KV rule (``WeightsClock.apply``, engine/weights.py) on this core's scheduler."""
+        self.weights.apply(self.scheduler, stamp_of, changes, self.config.recompute_on_weight_change, self.stats)
 
     def _recompute(self, seqs: list[Sequence], version: int, stamp_of) -> int:
         """Recompute resumed sequences (prompt + output so far, each into its own blocks), packed into as few
         forwards as the budget allows; one sampler call for all of them."""
-        sch, kv = self.scheduler, self.kv
-        todo = {}
+        sch = self.scheduler
+        jobs = {}
         for s in seqs:
             blocks = sch.allocate(sch.blocks_for(s.num_tokens))
             if blocks is None:
                 sch.preempt(s, count=False)
                 continue
             s.block_table = blocks
-            todo[s.seq_id] = s
-        done, failed = self._run_packs(
-            self._packs([(k, s, s.num_tokens) for k, s in todo.items()]),
-            item=lambda k: (todo[k].all_ids, kv.slots(todo[k].block_table, 0, todo[k].num_tokens), todo[k].prompt),
-            head=lambda k: todo[k], release=lambda k: None)  # finish() frees a failed one's blocks
+            jobs[s.seq_id] = PrefillJob(s, s.all_ids, blocks, owns_blocks=False)  # finish() frees a failed one's
+        done, failed = self._run_packs(self._packs(jobs), jobs)
         for k, error in failed.items():
-            self.finish(todo[k], "abort", error=error)
+            self.finish(jobs[k].head, "abort", error=error)
         ready, rows = [], []
         for k, (logits, delta) in done.items():
-            s = todo[k]
+            s = jobs[k].head
             s.num_cached, s.rope_delta = s.num_tokens, delta
             s.kv_stamp, s.kv_version = stamp_of(s.lora_name), version
             s.kv_epoch += 1
@@ -216,63 +166,64 @@ class EngineCore:
             rows.append(logits)
         return self._sample(ready, torch.stack(rows), version) if ready else 0
 
-    def _run_packs(self, packs: list[list], item, head, release, scorer=lambda k: None) -> tuple[dict, dict]:
-        """Run each pack of keys in one packed prefill forward (``item(key)``: (ids, slots, prompt); ``head(key)``:
-        the sequence it is computed for (adapter, request id); ``release(key)``: free what a key holds when it will
-        not be computed).
+    def _run_packs(self, packs: list[list], jobs: dict) -> tuple[dict, dict]:
+        """Run each pack of keys of ``jobs`` in one packed prefill forward.
         Returns ({key: (logits, rope_delta)}, {key: error}). A pack that raises is retried one prompt at a time,
-        so a bad prompt fails alone; ModelNotServableError propagates (after releasing every key not computed)."""
+        so a bad prompt fails alone; ModelNotServableError propagates (after releasing every job not computed)."""
         done, failed = {}, {}
         queue = list(packs)
         while queue:
             pack = queue.pop(0)
             try:
-                scorers = [scorer(k) for k in pack]
-                outs = self.runner.prefill_packed([item(k) for k in pack], head(pack[0]).lora_name,
-                                                  scorers if any(scorers) else None)
+                scorers = [jobs[k].scorer for k in pack]
+                outs = self.runner.prefill_packed([jobs[k].runner_item(self.kv) for k in pack],
+                                                  jobs[pack[0]].head.lora_name, scorers if any(scorers) else None)
             except ModelNotServableError:
                 for k in [k for p in [pack] + queue for k in p]:
-                    release(k)
+                    jobs[k].release(self.kv)
                 raise
             except Exception as e:
                 if len(pack) > 1:
                     queue[:0] = [[k] for k in pack]
                     continue
-                logger.exception("unsloth_rollout: prefill failed for request %s", head(pack[0]).request_id)
-                release(pack[0])
+                logger.exception("unsloth_rollout: prefill failed for request %s", jobs[pack[0]].head.request_id)
+                jobs[pack[0]].release(self.kv)
                 failed[pack[0]] = f"prefill failed: {type(e).__name__}: {e}"
                 continue
             self.stats["prefill_forwards"] += 1
             done.update(zip(pack, outs))
         return done, failed
 
-    def _packs(self, items: list[tuple]) -> list[list]:
-        """``items``: (key, sequence, tokens) to prefill, in packed forwards: same adapter, packable vision inputs,
-        at most ``max_prefill_tokens``, ``prefill_chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt
-        alone, where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there)."""
+    def _packs(self, jobs: dict) -> list[list]:
+        """The keys of ``jobs`` in packed forwards: same adapter, packable vision inputs, at most
+        ``max_prefill_tokens``, ``prefill_chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt alone,
+        where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there). A job
+        that extends a cached prompt (``start`` > 0) runs alone, from where that prompt ends."""
         packs, open_by_adapter = [], {}
         # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
         limit = min(self.config.max_prefill_tokens, self.config.prefill_chunk_tokens, PACK_MAX_TOKENS)
-        for key, head, n in items:
-            if not self.runner.can_pack(head.prompt):
+        for key, job in jobs.items():
+            if job.start:
+                continue
+            if not self.runner.can_pack(job.head.prompt):
                 packs.append([key])
                 continue
-            cur = open_by_adapter.get(head.lora_name)
+            n, lora = len(job.ids), job.head.lora_name
+            cur = open_by_adapter.get(lora)
             if cur is None or cur[1] + n > limit:
                 cur = [[], 0]
-                open_by_adapter[head.lora_name] = cur
+                open_by_adapter[lora] = cur
                 packs.append(cur[0])
             cur[0].append(key)
             cur[1] += n
-        return packs
+        return packs + [[k] for k, job in jobs.items() if job.start]
 
     def _prefill_groups(self, groups: list[list[Sequence]], version: int, stamp_of) -> int:
         """Prefill each distinct new prompt once (or find it in the prefix cache), the distinct prompts of this step
         packed into as few forwards as the budget allows; every member of a group shares its prompt's KV. One
         sampler call for all members."""
-        sch, prefix, kv = self.scheduler, self.scheduler.prefix, self.kv
-        todo: dict = {}  # key -> (blocks, head, start): prompts to compute this step from position start
-        scorers: dict = {}  # key -> PromptScorer: prompts whose every position is scored (prompt_logprobs)
+        sch, prefix = self.scheduler, self.scheduler.prefix
+        todo: dict = {}  # prefix key -> PrefillJob: the distinct prompts to compute this step
         ready = []
         for group in groups:
             key = prefix_key(group[0])
@@ -283,30 +234,24 @@ class EngineCore:
                 if entry is not None and (entry.scores is None or entry.scores.k < want):
                     prefix.drop(key)  # cached without (enough) scores: computed again below, scored
             if key not in todo and prefix.lookup(key) is None:
-                plan = None if want is not None else self._extendable(group[0], stamp_of)
-                if plan is None:
-                    blocks = sch.allocate(sch.blocks_for(len(group[0].prompt_ids)), keep=key)
+                head = group[0]
+                job = None if want is not None else self._extendable(head, stamp_of)
+                if job is None:
+                    blocks = sch.allocate(sch.blocks_for(len(head.prompt_ids)), keep=key)
                     if blocks is None:  # memory went elsewhere this step: wait in line, first
                         for s in reversed(group):
                             sch.preempt(s, count=False)
                         continue
-                    plan = (blocks, group[0], 0)
-                todo[key] = plan
-                if want is not None:
-                    scorers[key] = PromptScorer(group[0].prompt_ids, want)
+                    job = PrefillJob(head, head.prompt_ids, blocks,
+                                     scorer=PromptScorer(head.prompt_ids, want) if want is not None else None)
+                todo[key] = job
             ready.append((group, key))
-        # Prompts from position 0 pack together; one that extends a cached prompt runs alone, from where it ends.
-        packs = self._packs([(k, head, len(head.prompt_ids)) for k, (_, head, start) in todo.items() if not start])
-        packs += [[k] for k, (_, _, start) in todo.items() if start]
-        done, failed = self._run_packs(
-            packs, item=lambda k: (todo[k][1].prompt_ids, kv.slots(todo[k][0], 0, len(todo[k][1].prompt_ids)),
-                                   todo[k][1].prompt) + ((todo[k][2],) if todo[k][2] else ()),
-            head=lambda k: todo[k][1], release=lambda k: kv.free(todo[k][0]), scorer=scorers.get)
+        done, failed = self._run_packs(self._packs(todo), todo)
         for k, (logits, delta) in done.items():
-            blocks, h, start = todo[k]
-            n = len(h.prompt_ids)
-            scores = scorers[k].result() if k in scorers else None
-            prefix.insert(k, PrefixEntry(blocks, n, logits, delta, version, stamp_of(h.lora_name), scores))
+            job = todo[k]
+            n, start = len(job.ids), job.start
+            scores = job.scorer.result() if job.scorer is not None else None
+            prefix.insert(k, PrefixEntry(job.blocks, n, logits, delta, version, stamp_of(job.head.lora_name), scores))
             self.stats["prefill_tokens"] += n - start
             self.stats["prefills"] += 1
             if start:
@@ -329,7 +274,7 @@ class EngineCore:
             # Token counts as vLLM's prefix_cache_queries / hits: each member's prompt, and what it did not compute.
             self.stats["prefix_cache_query_tokens"] += len(group) * entry.num_tokens
             self.stats["prefix_cache_hit_tokens"] += len(group) * entry.num_tokens - (
-                entry.num_tokens - computed_here[2] if computed_here is not None else 0)
+                entry.num_tokens - computed_here.start if computed_here is not None else 0)
             for s in group:
                 if s.sampling.prompt_logprobs is not None:
                     s.prompt_scores = entry.scores
@@ -351,8 +296,8 @@ class EngineCore:
             return 0
         return self._sample(seqs, torch.stack(rows), version)
 
-    def _extendable(self, head: Sequence, stamp_of):
-        """(blocks, head, start) when ``head``'s prompt extends a cached prompt's KV (a next turn): its block
+    def _extendable(self, head: Sequence, stamp_of) -> "PrefillJob | None":
+        """A job from ``start`` when ``head``'s prompt extends a cached prompt's KV (a next turn): its block
         table is the cached prompt's full blocks, shared, plus new blocks for the rest, which the step prefills
         from ``start``. None when no cached prompt qualifies, the new tokens hold image placeholders (they need
         their pixels), or memory is short (the prompt is then prefilled whole, as before)."""
@@ -372,7 +317,7 @@ class EngineCore:
         new = sch.allocate(sch.blocks_for(len(ids)) - full, keep=hit_key)
         if new is None:
             return None
-        return self.kv.share(entry.blocks[:full]) + new, head, start
+        return PrefillJob(head, ids, self.kv.share(entry.blocks[:full]) + new, start)
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:

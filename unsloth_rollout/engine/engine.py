@@ -1,10 +1,13 @@
-"""RolloutEngine: the engine's front — futures, asyncio, pause holders and weight changes.
+"""RolloutEngine: the engine's face — submit / generate / agenerate / stream, pauses, weight changes, stats.
 
-``EngineCore`` (core.py) runs one step at a time; ``StepDriver`` (worker.py) runs it on the thread of a
-caller that waits (``generate``) or else on a worker thread that exits when idle, so ``generate``
-(blocking), ``agenerate`` (any event loop or thread) and ``stream`` all batch together, and only one
-thread's OpenMP team does the model's work. The engine holds the PolicyModel, never a copy: after an optimizer
-step and ``set_version(v + 1)`` the next tokens come from the new weights.
+Its parts, each a class of its own, depend one way: ``EngineCore`` (core.py) runs one step, no threads;
+``StepDriver`` (worker.py) runs it on the thread of a caller that waits (``generate``) or else on a worker thread
+that exits when idle, over the ``Inbox`` (inbox.py: requests in flight and their futures) and ``PauseHolders``
+(pauses.py); ``RequestStream`` (streams.py) turns deltas into async iterators; ``WeightsClock`` (weights.py) is the
+weight version and the stale-KV rule. So ``generate`` (blocking), ``agenerate`` (any event loop or thread) and
+``stream`` all batch together, and only one thread's OpenMP team does the model's work. The engine holds the
+PolicyModel, never a copy: after an optimizer step and ``set_version(v + 1)`` the next tokens come from the new
+weights.
 
 Example::
 
@@ -19,101 +22,47 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import dataclass, field
+import types
 from typing import AsyncIterator, Iterable
 
-import torch
-
-from .attention import ModelNotServableError
-from .config import EngineConfig, InvalidRequestError
+from ..errors import EngineStopped, InvalidRequestError, RequestRejected  # noqa: F401  (re-exported)
+from ..models import weights as policy_weights
+from .config import EngineConfig
 from .core import EngineCore
+from .inputs import PreparedPrompt
 from .request import GenerationOutput, GenerationRequest, StreamDelta
-from .sequence import Sequence
+from .stats import engine_stats
+from .streams import RequestStream, open_stream
 from .worker import StepDriver
 
 logger = logging.getLogger("unsloth_rollout")
 
 
-class RequestRejected(InvalidRequestError):
-    """The engine cannot run this request (too long for max_model_len or the KV budget)."""
-
-
-class EngineStopped(RuntimeError):
-    pass
-
-
-@dataclass
-class _Pending:
-    """Bookkeeping for one submitted request (all its n samples)."""
-
-    request_id: str
-    outputs: list[GenerationOutput | None]
-    future: concurrent.futures.Future
-    on_delta: object = None  # callable(StreamDelta), called from the engine thread
-    sent_tokens: list[int] = field(default_factory=list)  # per sample: tokens / characters already streamed
-    sent_chars: list[int] = field(default_factory=list)
-
-
-class RequestStream:
-    """Deltas of submitted requests as they are produced; ``close()`` aborts what has not finished."""
-
-    def __init__(self, engine: "RolloutEngine", indexed: bool):
-        self.engine = engine
-        self.indexed = indexed
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.futures: list[tuple[str, concurrent.futures.Future]] = []
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        remaining = len(self.futures)
-        try:
-            while remaining:
-                k, d = await self.queue.get()
-                if d is None:
-                    remaining -= 1
-                    exc = self.futures[k][1].exception()
-                    if exc is not None:
-                        raise exc
-                    continue
-                yield (k, d) if self.indexed else d
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for rid, fut in self.futures:
-            if not fut.done():
-                self.engine.abort(rid)
-
-
 class RolloutEngine:
-    """Continuous-batching rollout engine over a PolicyModel (see module docstring)."""
+    """Continuous-batching rollout engine over a PolicyModel (see module docstring). ``tokenizer``,
+    ``max_model_len`` (prompt + completion) and ``eos_ids`` describe the model served; ``core`` holds the parts."""
 
     def __init__(self, policy, config: EngineConfig | None = None, *, seed: int | None = None):
         self.policy = policy
         self.config = config or EngineConfig()
         self.core = EngineCore(policy, self.config, seed)
-        self.lora_adapters: dict[str, str] = {}
-        self.driver = StepDriver(self.core, self._refuse_model)
-        self._cond = self.driver.cond
-        self._step_lock = self.driver.step_lock  # held by whichever thread runs a step
-        self._pending: dict[str, _Pending] = {}
-        self._fatal: ModelNotServableError | None = None
-        self._requests = 0
-        kv = self.kv
-        logger.info("unsloth_rollout: KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-                    kv.num_blocks, kv.block_size, kv.memory_bytes / 2**20, self.max_model_len)
+        self.tokenizer, self.max_model_len, self.eos_ids = policy.tokenizer, self.core.max_model_len, self.core.eos_ids
+        self.driver = StepDriver(self.core)  # the thread, the inbox (requests in flight) and the pause holders
+        kv = self.core.kv
+        logger.info("unsloth_rollout: KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d", kv.num_blocks,
+                    kv.block_size, kv.memory_bytes / 2**20, self.max_model_len)
 
-    # The core's parts, for front ends and tests that inspect them.
-    tokenizer = property(lambda self: self.core.tokenizer)
-    inputs = property(lambda self: self.core.inputs)
-    kv = property(lambda self: self.core.kv)
-    runner = property(lambda self: self.core.runner)
-    sampler = property(lambda self: self.core.sampler)
-    scheduler = property(lambda self: self.core.scheduler)
-    eos_ids = property(lambda self: self.core.eos_ids)
-    max_model_len = property(lambda self: self.core.max_model_len)
+    # ================================================================== prompts
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """The prompt ``request`` becomes (chat template, images, placeholders expanded), e.g. to count its tokens;
+        set it as ``request.prepared`` and ``submit`` uses it instead of preparing again."""
+        return self.core.inputs.prepare(request)
+
+    def render_chat(self, messages: list[dict], tools=None, chat_template_kwargs=None,
+                    add_generation_prompt: bool = True):
+        """(prompt text, images) of chat ``messages``, rendered with the chat template as ``prepare`` renders it."""
+        return self.core.inputs.render_chat(messages, tools, chat_template_kwargs,
+                                            add_generation_prompt=add_generation_prompt)
 
     # ================================================================== weights and versions
     @property
@@ -139,16 +88,49 @@ class RolloutEngine:
         per token in ``output_kv_versions``.) ``version``: stamp later tokens with it (None: unchanged).
         ``lora_name``: only the served adapter of that name changed (the base and other adapters did not).
         Never blocks, safe from any thread: done now when no step runs (e.g. while paused), else at the
-        start of the next step, before any token is sampled.
+        start of the next step, before any token is sampled (the rule: ``WeightsClock.apply``, weights.py).
         """
         self.core.weights.bump(version, lora_name)
-        with self._cond:
-            self._cond.notify_all()
-        if self._step_lock.acquire(blocking=False):
+        self.driver.weights_changed()
+
+    # ================================================================== LoRA adapters served by name
+    @property
+    def lora_adapters(self) -> types.MappingProxyType:
+        """The adapters served by name: name -> the folder it was loaded from (read-only)."""
+        return types.MappingProxyType(self.policy.adapter_paths)
+
+    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load a PEFT adapter folder that requests select with ``lora_name=name`` (models/weights.py).
+
+        Refused before anything changes, with InvalidRequestError naming the reason (``AdapterNotFoundError``
+        when there is no adapter at ``path``): DoRA, ``modules_to_save``, a rank above ``config.max_lora_rank``,
+        modules or shapes the model lacks (another base model), unreadable weights, more than
+        ``config.max_loras`` adapters. The policy's own adapter stays active for requests without a lora_name.
+        ``load_inplace=True`` replaces a loaded adapter's weights: its requests in flight continue, recomputed
+        with the new weights (a refused replacement leaves the old one serving).
+        """
+        had = name in self.policy.adapter_paths
+        with self.driver.step_lock:
             try:
-                self.core.apply_weight_changes(*self.core.weights.state()[1:])
+                rewrapped = policy_weights.load_adapter(self.policy, name, path, self.config.max_lora_rank,
+                                                        self.config.max_loras, replace=load_inplace)
             finally:
-                self._step_lock.release()
+                if had and name not in self.policy.adapter_paths:  # the old weights are gone: its requests too
+                    self.driver.abort_adapter(name, f"adapter {name!r} could not be reloaded")
+        self.weights_changed(lora_name=None if rewrapped else name)  # a new wrapper object: recompute all
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Remove a loaded adapter; its requests in flight finish with finish_reason "abort"."""
+        if name not in self.policy.adapter_paths:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is not loaded")
+        with self.driver.step_lock:
+            self.driver.abort_adapter(name, f"adapter {name!r} was unloaded")
+            rewrapped = policy_weights.unload_adapter(self.policy, name)
+        self.weights_changed(lora_name=None if rewrapped else name)
+
+    def invalidate_prefix_cache(self) -> None:
+        with self.driver.step_lock:
+            self.core.scheduler.prefix.drop()
 
     # ================================================================== pause, abort, offload
     def pause(self, mode: str = "keep", holder: str = "user") -> None:
@@ -161,189 +143,55 @@ class RolloutEngine:
         the server's /pause ("http") and a user's pause ("user") never release one another. Pausing again
         under a name already held is a no-op (no counting).
         """
-        if mode not in ("keep", "abort", "wait"):
-            raise InvalidRequestError("mode", f"mode must be 'keep', 'abort' or 'wait', got {mode!r}")
-        if not isinstance(holder, str) or not holder:
-            raise InvalidRequestError("holder", f"holder must be a non-empty string, got {holder!r}")
+        self.driver.pauses.check(mode, holder)
         if mode == "wait":
             self.wait_idle()
-        with self._cond:
-            self.driver.pause_holders.add(holder)
-        with self._step_lock:  # wait for the step in progress to end
-            pass
+        self.driver.hold(holder)
         if mode == "abort":
             self.abort_all()
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until no request is in flight (woken by each finished request, no polling); False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending or self.driver.stopped, timeout)
-
     def resume(self, holder: str = "user") -> None:
         """Release ``holder``'s pause; generation continues once no one else holds one."""
-        with self._cond:
-            self.driver.pause_holders.discard(holder)
-        self.driver.kick()  # sequences in flight: the worker exited while paused
-
-    @property
-    def _paused(self) -> bool:
-        return bool(self.driver.pause_holders)
+        self.driver.release(holder)
 
     @property
     def is_paused(self) -> bool:
-        return self._paused
+        return bool(self.driver.pauses.holders)
 
     @property
     def paused_by(self) -> frozenset[str]:
         """Who holds a pause now (empty: running)."""
-        with self._cond:
-            return frozenset(self.driver.pause_holders)
+        with self.driver.cond:
+            return frozenset(self.driver.pauses.holders)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight (woken by each finished request, no polling); False on timeout."""
+        return self.driver.inbox.wait_idle(lambda: self.driver.stopped, timeout)
 
     def abort(self, request_id: str) -> None:
         """Finish every sample of ``request_id`` with finish_reason "abort" and free its KV."""
-        with self._cond:
-            self.driver.abort_ids.add(request_id)
-            self._cond.notify_all()
-            applied_now = self.driver.paused or self.driver.owner is None
-        if applied_now:  # nobody is stepping: apply it here
-            with self._step_lock:
-                self.driver.drain_inbox()
+        self.driver.abort([request_id])
 
     def abort_all(self) -> None:
-        with self._cond:
-            self.driver.abort_ids.update(self._pending)
-            self._cond.notify_all()
-        with self._step_lock:
-            self.driver.drain_inbox()
+        self.driver.abort_all()
 
     def offload(self) -> None:
         """Free the KV cache memory (for training); requests wait until ``onload()``.
 
         Holds its own pause ("offload"): ``onload()`` releases only that one, never a pause someone else holds."""
         self.pause("keep", holder="offload")
-        with self._step_lock:
-            for s in list(self.scheduler.running):
-                self.scheduler.preempt(s)
-            self.scheduler.prefix.drop()
-            self.kv.release_storage()
-            self.driver.offloaded = True
-            if self.kv.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self.driver.offload()
 
     def onload(self) -> None:
-        with self._step_lock:
-            self.kv.allocate_storage()
-            self.driver.offloaded = False
+        """Allocate the KV cache again and release the "offload" pause."""
+        self.driver.onload()
         self.resume(holder="offload")
 
-    # ================================================================== LoRA adapters served by name
-    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
-        """Load a PEFT adapter folder that requests select with ``lora_name=name`` (models/adapters.py).
-
-        Refused before anything changes, with InvalidRequestError naming the reason (``AdapterNotFoundError``
-        when there is no adapter at ``path``): DoRA, ``modules_to_save``, a rank above ``config.max_lora_rank``,
-        modules or shapes the model lacks (another base model), unreadable weights, more than
-        ``config.max_loras`` adapters. The policy's own adapter stays active for requests without a lora_name.
-        ``load_inplace=True`` replaces a loaded adapter's weights: its requests in flight continue, recomputed
-        with the new weights (a refused replacement leaves the old one serving).
-        """
-        from ..models import adapters
-
-        if not isinstance(name, str) or not name or name == adapters.BASE:
-            raise InvalidRequestError("lora_name", f"invalid adapter name {name!r}")
-        replace = name in self.lora_adapters
-        if replace and not load_inplace:
-            raise InvalidRequestError("lora_name", f"The lora adapter '{name}' has already been loaded.")
-        cap = self.config.max_loras
-        if not replace and cap is not None and len(self.lora_adapters) >= cap:
-            raise InvalidRequestError("lora_name", f"{len(self.lora_adapters)} adapters are loaded, max_loras is "
-                                                   f"{cap}: unload one first")
-        if replace:  # refuse a bad replacement before the old adapter goes
-            adapters.read_adapter(self.policy, path, self.config.max_lora_rank)
-        with self._step_lock, self.policy.lock:
-            before = self.policy.model
-            if replace:
-                adapters.unload_adapter(self.policy, name)
-            try:
-                adapters.load_adapter(self.policy, name, path, self.config.max_lora_rank)
-            except Exception:
-                if replace:  # the old weights are gone: its requests cannot continue
-                    self._drop_adapter_requests(name, "could not be reloaded")
-                    del self.lora_adapters[name]
-                raise
-            self.lora_adapters[name] = path
-            changed = name if self.policy.model is before else None  # a new wrapper object: recompute all
-        self.weights_changed(lora_name=changed)
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Remove a loaded adapter; its requests in flight finish with finish_reason "abort"."""
-        from ..models import adapters
-
-        if name not in self.lora_adapters:
-            raise InvalidRequestError("lora_name", f"adapter {name!r} is not loaded")
-        with self._step_lock, self.policy.lock:
-            self._drop_adapter_requests(name, "was unloaded")
-            before = self.policy.model
-            adapters.unload_adapter(self.policy, name)
-            del self.lora_adapters[name]
-            changed = name if self.policy.model is before else None
-        self.weights_changed(lora_name=changed)
-
-    def _drop_adapter_requests(self, name: str, why: str) -> None:
-        # Requests still in the inbox count too: a step between an unload and a reload would prefill them
-        # under an adapter that no longer exists (found by the differential test).
-        self.driver.drain_inbox()
-        for s in self.core.sequences():
-            if s.lora_name == name:
-                self.core.finish(s, "abort", error=f"adapter {name!r} {why}")
-
-    def invalidate_prefix_cache(self) -> None:
-        with self._step_lock:
-            self.scheduler.prefix.drop()
-
     def stats(self) -> dict:
-        s = dict(self.core.stats)
-        sch, kv = self.scheduler, self.kv
-        s.update(
-            requests=self._requests, version=self.version, paused=self._paused, paused_by=sorted(self.paused_by),
-            num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self.driver.inbox),
-            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
-            kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
-            decode_workspace_bytes=ws.memory_bytes if (ws := self.core.runner.workspace) is not None else 0,
-            decode_workspace_peak_bytes=ws.peak_bytes if ws is not None else 0,
-            decode_workspace_budget_bytes=ws.budget_bytes if ws is not None else 0,
-            decode_workspace_fallbacks=ws.fallbacks if ws is not None else 0,
-            prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
-            prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
-            num_preemptions=sch.num_preemptions, max_model_len=self.max_model_len,
-            decode_backend=self.core.runner.decode_backend)
-        if (st := self.core.runner.static) is not None:  # the captured decode (decode_static.py)
-            s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps)
-        return s
+        """Counters and gauges of the engine (steps, tokens, KV and prefix-cache use, pauses): see stats.py."""
+        return engine_stats(self)
 
     # ================================================================== submission
-    def _make_sequences(self, req: GenerationRequest) -> list[Sequence]:
-        if not isinstance(req, GenerationRequest):
-            raise InvalidRequestError("request", f"expected a GenerationRequest, got {type(req).__name__}")
-        if req.lora_name is not None and req.lora_name not in self.lora_adapters:
-            raise InvalidRequestError("lora_name", f"adapter {req.lora_name!r} is not loaded")
-        prompt = req.prepared if req.prepared is not None else self.inputs.prepare(req)
-        sp = req.sampling
-        plen = len(prompt.prompt_ids)
-        if plen >= self.max_model_len:
-            raise RequestRejected("input_ids", f"the prompt has {plen} tokens; max_model_len is {self.max_model_len}")
-        longest = min(plen + sp.max_new_tokens, self.max_model_len)
-        if self.scheduler.blocks_for(longest) + 1 > self.kv.num_blocks:
-            raise RequestRejected(
-                "max_new_tokens", f"prompt ({plen}) + max_new_tokens ({sp.max_new_tokens}) needs "
-                f"{longest} KV slots; the KV cache budget holds {self.kv.num_slots - self.kv.block_size}")
-        seqs = [Sequence(req.request_id, i, prompt, sp, self._on_event, req.lora_name) for i in range(sp.n)]
-        if sp.structured_outputs is not None:  # compiled once per request; each sample gets its own matcher
-            grammar = self.core.grammars.compile(sp.structured_outputs)
-            for s in seqs:
-                s.constraint = grammar.matcher()
-        return seqs
-
     def submit(self, req: GenerationRequest, on_delta=None) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its list of n GenerationOutputs.
 
@@ -355,18 +203,7 @@ class RolloutEngine:
     def _submit(self, req: GenerationRequest, on_delta, start_worker: bool) -> concurrent.futures.Future:
         if self.driver.stopped:
             raise EngineStopped("the engine is shut down")
-        if self._fatal is not None:
-            raise self._fatal
-        if req.request_id in self._pending:
-            raise InvalidRequestError("request_id", f"request_id {req.request_id!r} is already in flight")
-        seqs = self._make_sequences(req)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        n = len(seqs)
-        pend = _Pending(req.request_id, [None] * n, fut, on_delta, [0] * n, [0] * n)
-        with self._cond:
-            self._pending[req.request_id] = pend
-            self.driver.inbox.extend(seqs)
-            self._requests += 1
+        fut = self.driver.inbox.put(self.core, req, self.policy.adapter_paths, on_delta)
         if start_worker:
             self.driver.kick()
         return fut
@@ -423,26 +260,14 @@ class RolloutEngine:
 
         Leaving the iteration early (a client disconnect) aborts the request.
         """
-        return self.stream_many([request], indexed=False)
+        return open_stream(self, [request], indexed=False)
 
-    def stream_many(self, requests: list[GenerationRequest], indexed: bool = True) -> "RequestStream":
+    def stream_many(self, requests: list[GenerationRequest], indexed: bool = True) -> RequestStream:
         """Submit all ``requests`` now (an invalid one raises here and none stays queued) and return an async
         iterable of ``(request_index, StreamDelta)`` (bare deltas with ``indexed=False``) across them.
 
         Leaving the iteration early, or ``close()`` (a client disconnect), aborts whatever is still running."""
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(self, indexed)
-        try:
-            for k, req in enumerate(requests):
-                fut = self.submit(req, on_delta=lambda d, k=k: loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                                                                         (k, d)))
-                # Queued after the last delta: both are put from the engine thread, in order.
-                fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(stream.queue.put_nowait, (k, None)))
-                stream.futures.append((req.request_id, fut))
-        except BaseException:
-            stream.close()
-            raise
-        return stream
+        return open_stream(self, requests, indexed)
 
     # ================================================================== stepping (worker.py)
     def shutdown(self) -> None:
@@ -452,52 +277,11 @@ class RolloutEngine:
 
     def step(self) -> int:
         """Take in new requests and aborts, then run one core step on this thread; returns the tokens produced."""
-        with self._step_lock:
+        with self.driver.step_lock:
             return self.driver.step()
-
-    # ================================================================== outputs to callers
-    def _refuse_model(self, e: ModelNotServableError) -> None:
-        """The model cannot be served exactly (e.g. its attention bypassed the cache): nothing it produced
-        is returned; every request in flight and every later submit fails with the named error."""
-        logger.error("unsloth_rollout: %s", e)
-        self._fatal = e
-        with self._cond:
-            pending, self._pending = list(self._pending.values()), {}
-            self._cond.notify_all()
-        for s in self.core.sequences():
-            s.on_event = None
-            self.core.finish(s, "abort", error=str(e))
-        for p in pending:
-            if not p.future.done():
-                p.future.set_exception(e)
-
-    def _on_event(self, s: Sequence, finished: bool) -> None:
-        """Called by the core after each new token of ``s`` and when it finishes (engine thread)."""
-        pend = self._pending.get(s.request_id)
-        if pend is None:
-            return
-        i = s.sample_index
-        if pend.on_delta is not None:
-            delta, pend.sent_tokens[i], pend.sent_chars[i] = self.core.output.delta(
-                s, pend.sent_tokens[i], pend.sent_chars[i], finished)
-            if delta is not None:
-                try:
-                    pend.on_delta(delta)
-                except Exception:
-                    logger.exception("unsloth_rollout: stream consumer failed")
-        if finished:
-            pend.outputs[i] = s.to_output()
-            if all(o is not None for o in pend.outputs):
-                with self._cond:
-                    self._pending.pop(s.request_id, None)
-                    self._cond.notify_all()
-                if not pend.future.done():
-                    pend.future.set_result(pend.outputs)
 
     def __del__(self):
         try:
-            with self._cond:
-                self.driver.stopped = True
-                self._cond.notify_all()
+            self.driver.stop(join=False)
         except Exception:
             pass

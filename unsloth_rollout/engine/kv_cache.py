@@ -9,6 +9,7 @@ to, gathered per row (rows of different lengths, padded and masked).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -155,3 +156,30 @@ class CacheView:
     def __getitem__(self, layer_idx):
         # A forward that indexes the cache like a legacy tuple (Unsloth's text fast path) bypasses it: refuse.
         raise legacy_cache_read("prefill" if self.gather_index is None else "decode")
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_kv_cache(dims: tuple[int, int, int], dtype: torch.dtype, device: torch.device, config) -> KVCache:
+    """The paged KV cache of a model with ``dims`` (layers, kv heads, head dim), sized from the EngineConfig's
+    ``kv_cache_memory_bytes`` (or a fraction of free memory); a quantized model's cache is float16."""
+    layers, kv_heads, head_dim = dims
+    dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
+    per_token = KVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        budget = int(_available_memory_bytes(device) * config.kv_cache_memory_fraction)
+        if device.type != "cuda":
+            budget = min(budget, 1 << 30)
+    num_blocks = max(1, budget // (per_token * config.block_size))
+    return KVCache(layers, kv_heads, head_dim, num_blocks, config.block_size, dtype, device)

@@ -34,7 +34,7 @@ class GenerationRequest:
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
     lora_name: str | None = None
-    # A PreparedPrompt a front end already made with ``engine.inputs.prepare(request)`` (to count the expanded
+    # A PreparedPrompt a front end already made with ``engine.prepare(request)`` (to count the expanded
     # prompt before queueing); the engine then uses it instead of tokenizing and processing images again.
     prepared: Any = field(default=None, repr=False)
 

@@ -22,8 +22,12 @@ import logging
 import threading
 import time
 
-from .attention import ModelNotServableError
+import torch
+
+from ..errors import ModelNotServableError
+from .inbox import Inbox
 from .omp import release_thread_team
+from .pauses import PauseHolders
 
 logger = logging.getLogger("unsloth_rollout")
 
@@ -32,21 +36,17 @@ _FAILED_STEP_BACKOFF_S = 0.05  # after a failed step, instead of spinning on it
 
 
 class StepDriver:
-    """The engine's queue (new sequences, aborts), its pause state, and who steps the core.
+    """Who steps the core, over the engine's inbox (new sequences, aborts) and its pause holders.
 
-    ``on_refused(e)``: the model cannot be served (ModelNotServableError from a step); the engine fails
-    everything and refuses later submissions.
+    A step that raises ModelNotServableError makes the inbox refuse everything (``Inbox.refuse``).
     """
 
-    def __init__(self, core, on_refused):
+    def __init__(self, core):
         self.core = core
-        self.on_refused = on_refused
         self.cond = threading.Condition()
         self.step_lock = threading.Lock()  # held by the owner for each step
-        self.inbox: list = []  # Sequences submitted, not yet handed to the core
-        self.abort_ids: set[str] = set()
-        self.pause_holders: set[str] = set()  # paused while anyone holds a pause
-        self.offloaded = False
+        self.inbox = Inbox(self.cond, core.output.delta)
+        self.pauses = PauseHolders()  # paused while anyone holds a pause (or the KV cache is offloaded)
         self.stopped = False
         self.owner: threading.Thread | None = None  # the thread holding the drive (worker or caller)
         self.worker: threading.Thread | None = None  # the last worker started (for join on shutdown)
@@ -56,22 +56,20 @@ class StepDriver:
     # ------------------------------------------------------------------ state (call under cond)
     @property
     def paused(self) -> bool:
-        return bool(self.pause_holders) or self.offloaded
+        return self.pauses.paused
 
     def _runnable(self) -> bool:
         """A step can run now."""
-        return not self.stopped and not self.paused and bool(self.inbox or self.core.scheduler.has_work())
+        return not self.stopped and not self.paused and bool(self.inbox.queued or self.core.scheduler.has_work())
 
     def _chores(self) -> bool:
         """Aborts to apply, or (while paused) submissions to hand to the core."""
-        return not self.stopped and bool(self.abort_ids or (self.inbox and self.paused))
+        return not self.stopped and bool(self.inbox.abort_ids or (self.inbox.queued and self.paused))
 
     # ------------------------------------------------------------------ one unit of work
     def drain_inbox(self) -> None:
         """Hand new sequences to the core and apply aborts (call holding step_lock)."""
-        with self.cond:
-            new, self.inbox = self.inbox, []
-            aborts, self.abort_ids = self.abort_ids, set()
+        new, aborts = self.inbox.take()
         for s in new:
             self.core.add(s)
         if aborts:
@@ -84,7 +82,7 @@ class StepDriver:
         try:
             return self.core.step()
         except ModelNotServableError as e:
-            self.on_refused(e)
+            self.inbox.refuse(e, self.core)
             return 0
 
     def _work_once(self) -> bool:
@@ -172,11 +170,74 @@ class StepDriver:
                 self.cond.notify_all()
             self.kick()  # requests of others still running: hand them to a worker (or the next caller)
 
+    # ------------------------------------------------------------------ between steps (any thread)
+    def hold(self, holder: str) -> None:
+        """Pause under ``holder``'s name; returns once the step in progress (if any) has ended."""
+        with self.cond:
+            self.pauses.hold(holder)
+        with self.step_lock:  # wait for the step in progress to end
+            pass
+
+    def release(self, holder: str) -> None:
+        with self.cond:
+            self.pauses.release(holder)
+        self.kick()  # sequences in flight: the worker exited while paused
+
+    def abort(self, request_ids) -> None:
+        """Abort these requests: here when nobody is stepping (or paused), else at the next step boundary."""
+        with self.cond:
+            self.inbox.abort(request_ids)
+            applied_now = self.paused or self.owner is None
+        if applied_now:
+            with self.step_lock:
+                self.drain_inbox()
+
+    def abort_all(self) -> None:
+        with self.cond:
+            self.inbox.abort(list(self.inbox.pending))
+        with self.step_lock:
+            self.drain_inbox()
+
+    def abort_adapter(self, name: str, error: str) -> None:
+        """Finish every sequence under adapter ``name``, queued ones too (call holding step_lock): a step between
+        an unload and a reload would prefill them under an adapter that no longer exists (the differential test)."""
+        self.drain_inbox()
+        for s in self.core.sequences():
+            if s.lora_name == name:
+                self.core.finish(s, "abort", error=error)
+
+    def weights_changed(self) -> None:
+        """After a ``WeightsClock.bump``: apply the stale-KV rule now when no step runs, else the next step does."""
+        with self.cond:
+            self.cond.notify_all()
+        if self.step_lock.acquire(blocking=False):
+            try:
+                self.core.apply_weight_changes(*self.core.weights.state()[1:])
+            finally:
+                self.step_lock.release()
+
+    def offload(self) -> None:
+        """Preempt everything, drop the prefix cache and free the KV storage (the caller holds a pause)."""
+        sch, kv = self.core.scheduler, self.core.kv
+        with self.step_lock:
+            for s in list(sch.running):
+                sch.preempt(s)
+            sch.prefix.drop()
+            kv.release_storage()
+            self.pauses.offloaded = True
+            if kv.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        with self.step_lock:
+            self.core.kv.allocate_storage()
+            self.pauses.offloaded = False
+
     # ------------------------------------------------------------------ stop
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
             worker = self.worker
-        if worker is not None and worker is not threading.current_thread():
+        if join and worker is not None and worker is not threading.current_thread():
             worker.join(timeout=30)

@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from ..engine.config import InvalidRequestError
+from ..errors import AdapterNotFoundError, InvalidRequestError
 from .loader import _VISION_MARKERS  # vision-tower path parts: a decode step does not run them
 
 logger = logging.getLogger("unsloth_rollout")
@@ -54,10 +54,6 @@ _REFUSED = {
 }
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_A.bias", ".lora_B.bias", ".lora_embedding_A",
              ".lora_embedding_B")
-
-
-class AdapterNotFoundError(InvalidRequestError):
-    """No adapter at ``lora_path`` (the server answers 404, as vLLM does)."""
 
 
 def _peft():

@@ -90,6 +90,8 @@ class PolicyModel:
     serving_wrapper: bool = False
     # Adapters loaded to serve by name: request name -> the adapter's name inside PEFT (models/adapters.py).
     served_adapters: dict = field(default_factory=dict)
+    # The same adapters: request name -> the folder it was loaded from (models/weights.py keeps both).
+    adapter_paths: dict = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod

@@ -361,7 +361,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             if req.continue_final_message:
                 kwargs["continue_final_message"] = True
             try:
-                text, _ = engine.inputs.render_chat(messages, tools, kwargs,
+                text, _ = engine.render_chat(messages, tools, kwargs,
                                                     add_generation_prompt=bool(req.add_generation_prompt)
                                                     and not req.continue_final_message)
             except InvalidRequestError as e:

@@ -169,7 +169,7 @@ def prepare_prompt(state: ServerState, greq: GenerationRequest, param: str) -> l
     """The engine's own preparation of ``greq`` (chat rendering done, images processed and placeholders
     expanded), kept on the request so the engine does not repeat it; returns the expanded prompt ids."""
     try:
-        greq.prepared = state.engine.inputs.prepare(greq)
+        greq.prepared = state.engine.prepare(greq)
     except InvalidRequestError as e:
         # Images live inside the request's messages (or prompt): the error names that field, as at submission.
         raise APIError(str(e), param=param if e.field in ("input_ids", "images", "messages") else e.field) from None
@@ -208,7 +208,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
                            param="continue_final_message")
         kwargs["continue_final_message"] = True
     try:
-        text, _ = engine.inputs.render_chat(messages, tools, kwargs, add_generation_prompt=add_generation_prompt)
+        text, _ = engine.render_chat(messages, tools, kwargs, add_generation_prompt=add_generation_prompt)
     except InvalidRequestError as e:
         raise APIError(str(e), param=e.field) from None
     forced = grammar = None

@@ -114,10 +114,7 @@ class ServerMetrics:
 
 def _request_kv_usage(engine, stats: dict) -> float:
     """Fraction of KV blocks held by requests (running or preempted), not by the prefix cache alone."""
-    held = set()
-    for s in list(engine.scheduler.running):
-        held.update(s.block_table)
-    return len(held) / max(1, stats["kv_blocks_total"])
+    return stats["kv_blocks_held_by_requests"] / max(1, stats["kv_blocks_total"])
 
 
 def metrics_text(state) -> str:

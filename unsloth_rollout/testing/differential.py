@@ -255,7 +255,7 @@ def run_mix(mix: Mix, timeout: float = 120.0) -> list[tuple[str, str]]:
         outs = {i: f.result(timeout=timeout) for i, f in futs.items()}
         probe.remove()
         longest, probe = probe.longest, None
-        suppress = engine.sampler.suppress_ids
+        suppress = engine.core.sampler.suppress_ids
         for name in sorted(engine.lora_adapters):
             engine.unload_lora_adapter(name)
         engine.invalidate_prefix_cache()  # every request finished: every block must be free again

@@ -1,0 +1,33 @@
+"""``RolloutEngine.stats()``: the core's counters plus gauges read from its parts, in one flat dict.
+
+Keys as vLLM names the same figures where it has them (``num_running``, ``kv_usage``, ``prefix_cache_hits``).
+"""
+
+from __future__ import annotations
+
+
+def engine_stats(engine) -> dict:
+    core, driver = engine.core, engine.driver
+    s = dict(core.stats)
+    sch, kv, ws = core.scheduler, core.kv, core.runner.workspace
+    held = set()  # KV blocks held by requests, not by the prefix cache alone
+    for seq in list(sch.running):
+        held.update(seq.block_table)
+    s.update(
+        requests=driver.inbox.requests, version=engine.version, paused=engine.is_paused,
+        paused_by=sorted(engine.paused_by), num_running=len(sch.running),
+        num_waiting=len(sch.waiting) + len(driver.inbox.queued),
+        kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_block_size=kv.block_size,
+        kv_cache_bytes=kv.memory_bytes, kv_usage=1 - kv.num_free_blocks / kv.num_blocks,
+        kv_blocks_held_by_requests=len(held),
+        decode_workspace_bytes=ws.memory_bytes if ws is not None else 0,
+        decode_workspace_peak_bytes=ws.peak_bytes if ws is not None else 0,
+        decode_workspace_budget_bytes=ws.budget_bytes if ws is not None else 0,
+        decode_workspace_fallbacks=ws.fallbacks if ws is not None else 0,
+        prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
+        prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
+        num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
+        decode_backend=core.runner.decode_backend)
+    if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
+        s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps)
+    return s
