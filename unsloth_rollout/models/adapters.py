@@ -285,8 +285,8 @@ def _expected_shape(layer, suffix: str, t: torch.Tensor):
 
 # ============================================================================ load and unload
 def load_adapter(policy, name: str, path: str, max_rank: int) -> None:
-    """Add the adapter at ``path`` to ``policy.model`` (in place) as the one requests name ``name``; the caller then
-    calls ``engine.weights_changed``. Inside PEFT it gets a name of its own (``policy.served_adapters[name]``): a
+    """Add the adapter at ``path`` to ``policy.model`` (in place) as the one requests name ``name`` (reached through
+    ``models/weights.py``, whose caller then calls ``engine.weights_changed``). Inside PEFT it gets a name of its own (``policy.served_adapters[name]``): a
     user's name may hold dots or be part of "lora_", which PEFT cannot take. The policy's own adapter stays active;
     a policy without one is wrapped in PEFT with every LoRA layer resting disabled, so its plain forward (the
     trainer's, unnamed requests) stays the base model's. Refused before anything changes when ``read_adapter``
