@@ -116,7 +116,6 @@ LAYERS = sorted({_layer(n) for n in _modules()} - {""})
 # case passes as soon as it holds). Every rule the engine face and the weight owner met is never marked.
 PENDING = {
     "areal": "issue 25, the AReaL door: areal/backend.py and areal/inference_engine.py import each other",
-    "runner.py": "issue 25, the family registry: VLM plumbing leaves engine/runner.py",
     "models->front end": "issue 25, no alias modules: models/tiny.py re-exports testing/tiny",
 }
 
