@@ -148,3 +148,46 @@ def test_failed_forward_leaves_the_shared_model_as_fresh(family, tmp_path):
     check_exact(fresh, outs[1], processor_inputs(fresh, messages(4, 0), None), suppress, "unnamed text")
     oracle = adapter_oracle(path, a1)
     check_exact(oracle, outs[2], processor_inputs(oracle, messages(5, 1), imgs[3:4]), suppress, "a1 after failures")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_unloading_a_vision_lora_adapter_beside_a_language_only_one_keeps_serving(family, tmp_path):
+    """Found by the differential run (seed 100120): on a policy without LoRA serving a1 (vision + language LoRA)
+    and a2 (language only), unloading a1 left PEFT's model-level active adapter naming the deleted a1 (PEFT takes
+    the new one from the first LoRA layer, a vision layer that held only a1), so the next load raised KeyError.
+    After unload + reload both adapters serve exactly what they served before, and unnamed rows stay the base's."""
+    from unsloth_rollout.models import load_model
+
+    path = family_path(family)
+    a1 = save_adapter(path, tmp_path / "a1", seed=1)
+    lang_only = lora_policy(path, seed=2, r=4, lora_alpha=8, finetune_vision_layers=False)
+    assert not any("visual" in n or "vision" in n for n, _ in lang_only.model.named_parameters() if "lora_B" in n)
+    a2 = str(tmp_path / "a2")
+    lang_only.model.save_pretrained(a2)
+    policy = load_model(path, backend="transformers")
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20))
+    try:
+        engine.load_lora_adapter("a1", a1)
+        engine.load_lora_adapter("a2", a2)
+        imgs = images(1, seed=3)
+
+        def run():
+            reqs = [GenerationRequest(messages=messages(i, 1), images=imgs, lora_name=name, request_id=f"{name}{i}",
+                                      sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                              ignore_eos=True))
+                    for i, name in enumerate(["a1", "a2", None])]
+            return [(o.output_ids, o.output_logprobs) for o in one_step(engine, reqs)]
+
+        before = run()
+        engine.unload_lora_adapter("a1")
+        assert sorted(engine.lora_adapters) == ["a2"]
+        engine.load_lora_adapter("a1", a1)
+        after = run()
+        for (ids0, lp0), (ids1, lp1), what in zip(before, after, ["a1", "a2", "unnamed"]):
+            assert ids1 == ids0, f"{what}: other tokens after unload + reload"
+            assert max(abs(x - y) for x, y in zip(lp0, lp1)) <= 1e-5, f"{what}: other logprobs after unload + reload"
+        for name in ("a1", "a2"):
+            engine.unload_lora_adapter(name)
+        assert not engine.lora_adapters
+    finally:
+        engine.shutdown()

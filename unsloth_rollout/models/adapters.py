@@ -172,8 +172,16 @@ def _preserved(model: torch.nn.Module):
             have = m._get_available_adapters()
             m._active_adapter = [n for n in ([a] if isinstance(a, str) else a) if n in have] or a
             m._disable_adapters = d
-        if active is not None and active in getattr(model, "peft_config", {}):
+        configs = getattr(model, "peft_config", {})
+        if active is not None and active in configs:
             model.active_adapter = active
+        elif configs and getattr(model, "active_adapter", None) not in configs:
+            # PEFT takes the new active adapter from the first LoRA layer; when that layer held only the deleted
+            # adapter (a vision-tower layer of a vision-LoRA adapter) it leaves the deleted name active, and every
+            # later get_base_model() raises KeyError. Layers rest disabled on a serving wrapper: any valid name.
+            model.active_adapter = next(iter(configs))
+            if hasattr(model, "base_model") and hasattr(model.base_model, "active_adapter"):
+                model.base_model.active_adapter = model.active_adapter
 
 
 # ============================================================================ checks before anything loads
