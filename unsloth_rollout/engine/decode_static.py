@@ -1,9 +1,17 @@
-"""The captured decode step (``decode_backend="static"``): one compiled graph for every batch and context.
+"""The captured decode step (``decode_backend="static"``, also ``decode_compile=True``): one compiled graph
+shared by every decoder layer, for every batch and context.
 
 The eager decode is dispatch-bound on small-hidden models: a step is hundreds of Python module calls (36 layers
 x 7 projections x base + LoRA A + LoRA B, norms, rotary, attention, cache writes), each a few microseconds of
-Python and dispatcher, while the arithmetic is near zero. This backend runs the same model forward through
-``torch.compile`` once, with shapes that never force a recompile as sequences grow:
+Python and dispatcher, while the arithmetic is near zero. This backend runs the same model forward with each
+decoder layer's forward through ``torch.compile``, with shapes that never force a recompile as sequences grow:
+
+- Region ``"layer"`` (the default): the model's forward runs eager outside its decoder layers (embedding,
+  rotary, final norm, head: a few ops), and every decoder layer calls one compiled function with the layer as
+  an argument. Parameters are graph inputs (dynamo's ``inline_inbuilt_nn_modules``) and each layer gets its own
+  pool and workspace tensors (``LayerView``), so one graph serves all layers: warm-up is one layer's compile,
+  whatever the depth (36 layers: ~30 s on a loaded 2-core CPU, where region ``"model"``, the whole forward as
+  one graph, took minutes and grows with depth).
 
 - The KV history lives in the decode workspace rows (``DecodeWorkspace``, filled once when a sequence joins,
   outside the graph); each step the graph writes the new token into the paged pool and into its row in place,
@@ -115,9 +123,7 @@ def decoder_layers(model, num_layers: int) -> list:
 class StaticDecode:
     """The compiled decode over a ``DecodeWorkspace``; ``decode`` has the eager workspace decode's contract."""
 
-    def __init__(self, runner, mode: str | None = None, region: str | None = None):
-        import os
-        region = region or os.environ.get("UR_STATIC_REGION", "layer")
+    def __init__(self, runner, mode: str | None = None, region: str = "layer"):
         self.runner = runner
         self.ws = runner.workspace
         self.device = runner.device
@@ -205,7 +211,8 @@ class StaticDecode:
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
         key_len = max(lengths) + 1
-        if not self.ws._ensure(b, key_len):  # padded rows write position 0 of spare rows: masked, refilled on join
+        # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
+        if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
         k_pos = torch.arange(key_len, device=self.device)
         args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
@@ -225,7 +232,7 @@ class StaticDecode:
     def fits(self, n_rows: int, key_len: int) -> bool:
         """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, key_len)
+        return self.ws._ensure(b, key_len + 1)
 
     def run(self, tokens, lengths, deltas, block_tables) -> torch.Tensor:
         """Logits [B, V] of a decode step whose rows are arranged in the workspace (``arrange``)."""
