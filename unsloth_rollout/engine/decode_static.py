@@ -141,6 +141,7 @@ class StaticDecode:
             self._fn = torch.compile(self._step, mode=mode, dynamic=None)
         self.warmup_s = 0.0
         self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
+        self.warm_compiled = 0  # graphs the warm-up compiled
         self.recompiles = 0
         self.steps = 0
         self.eager_steps = 0
@@ -279,7 +280,7 @@ class StaticDecode:
         blocks = kv.allocate(1)
         if blocks is None:
             return
-        t = time.perf_counter()
+        t, g0 = time.perf_counter(), _graphs()
         try:
             with self.runner.policy.lock, torch.inference_mode(), self.runner.policy.inference():
                 keys = [("warm", 0), ("warm", 1)]
@@ -295,3 +296,4 @@ class StaticDecode:
             kv.free(blocks)
         self.warmup_s = time.perf_counter() - t
         self.warm_graphs = _graphs()
+        self.warm_compiled = self.warm_graphs - g0  # region "layer": 1 whatever the depth (0: cached earlier)
