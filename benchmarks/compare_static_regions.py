@@ -3,7 +3,8 @@
 "layer" (the default: one graph shared by every decoder layer) and "model" (the whole forward as one graph),
 on ``--workload overhead``'s deep random Qwen2 (tiny-lm's hidden 64, LoRA r=8):
 
-    PYTHONPATH=$PWD python benchmarks/compare_static_regions.py LAYERS BATCH CONTEXT STEPS workspace,static-layer,static-model
+    PYTHONPATH=$PWD python benchmarks/compare_static_regions.py LAYERS BATCH CONTEXT STEPS \
+        workspace,static-layer,static-model
 """
 
 import functools

@@ -188,7 +188,8 @@ class EngineConfig:
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
             "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
             step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
-            (``stats()["decode_warmup_s"]``, minutes on a small CPU); ``compile_mode`` is its torch.compile mode.
+            (``stats()["decode_warmup_s"]``: one decoder layer's compile, ~30 s on a loaded 2-core CPU whatever the
+            depth); ``compile_mode`` is its torch.compile mode.
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
