@@ -71,8 +71,8 @@ def test_static_decode_is_warm_at_start_and_never_recompiles(served):
 def test_static_decode_compiles_one_graph_for_every_layer(served):
     """The decoder layers share one compiled graph: warm-up does not compile once per layer."""
     policy, engine = served
-    st = engine.runner.static
-    assert st.region == "layer" and len(st._layers) == engine.runner.num_layers == policy.config.num_hidden_layers
+    st = engine.core.runner.static
+    assert st.region == "layer" and len(st._layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
     assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= 1
 
 
