@@ -15,11 +15,12 @@ def test_compiled_decode_matches_hf_generate(qwen2_dir):
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode_compile=True))
     reqs = [GenerationRequest(input_ids=policy.tokenizer.encode(p),
                               sampling=SamplingParams(max_new_tokens=10, temperature=0)) for p in PROMPTS]
-    outs = engine.generate(reqs)  # 5 rows: padded to a bucket of 8, lengths to 64
+    outs = engine.generate(reqs)  # 5 rows through the captured step (decode_compile=True is decode_backend="static")
     sampled = engine.generate([GenerationRequest(input_ids=reqs[1].input_ids, sampling=SamplingParams(
         max_new_tokens=10, temperature=0.8, seed=1))])[0]
     engine.shutdown()
-    assert engine.core.runner._compiled is not None
+    st = engine.core.runner.static
+    assert st is not None and st.steps > 0 and st.eager_steps == 0
     for r, o in zip(reqs, outs):
         ref = policy.model.generate(torch.tensor([r.input_ids]), max_new_tokens=10, do_sample=False)
         assert o.output_ids == ref[0, len(r.input_ids):].tolist()

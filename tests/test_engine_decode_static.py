@@ -68,6 +68,14 @@ def test_static_decode_is_warm_at_start_and_never_recompiles(served):
     assert _graphs() == graphs and st.recompiles == 0 and engine.stats()["decode_recompiles"] == 0
 
 
+def test_static_decode_compiles_one_graph_for_every_layer(served):
+    """The decoder layers share one compiled graph: warm-up does not compile once per layer."""
+    policy, engine = served
+    st = engine.core.runner.static
+    assert st.region == "layer" and len(st._layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
+    assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= 1
+
+
 def test_static_decode_logprobs_match_teacher_forced(served):
     policy, engine = served
     tok = policy.tokenizer

@@ -179,16 +179,17 @@ class EngineConfig:
             weights before their next token, so every token stamped v is sampled from and scored by weights v
             (the default). False keeps the stale cache (faster, inexact): each output then says, per token,
             the oldest weight version among the positions it attended to (``output_kv_versions``).
-        decode_compile: run decode steps through ``torch.compile`` with bucketed shapes (batch and length
-            padded to powers of two); ``compile_mode`` defaults to "reduce-overhead" (CUDA graphs) on GPU.
+        decode_compile: the compiled decode step: the same as ``decode_backend="static"`` (below), kept as a
+            switch of its own for existing configs.
         decode_backend: how decode attention reads the cached history (engine/decode_backend.py): "workspace"
             (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
-            The compiled decode always gathers. Memory: the workspace holds the running rows' history a second
+            Memory: the workspace holds the running rows' history a second
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
             "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
             step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
-            (``stats()["decode_warmup_s"]``, minutes on a small CPU); ``compile_mode`` is its torch.compile mode.
+            (``stats()["decode_warmup_s"]``: one decoder layer's compile, ~30 s on a loaded 2-core CPU whatever the
+            depth); ``compile_mode`` is its torch.compile mode.
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the

@@ -1,9 +1,17 @@
-"""The captured decode step (``decode_backend="static"``): one compiled graph for every batch and context.
+"""The captured decode step (``decode_backend="static"``, also ``decode_compile=True``): one compiled graph
+shared by every decoder layer, for every batch and context.
 
 The eager decode is dispatch-bound on small-hidden models: a step is hundreds of Python module calls (36 layers
 x 7 projections x base + LoRA A + LoRA B, norms, rotary, attention, cache writes), each a few microseconds of
-Python and dispatcher, while the arithmetic is near zero. This backend runs the same model forward through
-``torch.compile`` once, with shapes that never force a recompile as sequences grow:
+Python and dispatcher, while the arithmetic is near zero. This backend runs the same model forward with each
+decoder layer's forward through ``torch.compile``, with shapes that never force a recompile as sequences grow:
+
+- Region ``"layer"`` (the default): the model's forward runs eager outside its decoder layers (embedding,
+  rotary, final norm, head: a few ops), and every decoder layer calls one compiled function with the layer as
+  an argument. Parameters are graph inputs (dynamo's ``inline_inbuilt_nn_modules``) and each layer gets its own
+  pool and workspace tensors (``LayerView``), so one graph serves all layers: warm-up is one layer's compile,
+  whatever the depth (36 layers: ~30 s on a loaded 2-core CPU, where region ``"model"``, the whole forward as
+  one graph, took minutes and grows with depth).
 
 - The KV history lives in the decode workspace rows (``DecodeWorkspace``, filled once when a sequence joins,
   outside the graph); each step the graph writes the new token into the paged pool and into its row in place,
@@ -73,17 +81,67 @@ class StaticView(CacheView):
         return wk[:b, :, :n].to(key_states.dtype), wv[:b, :, :n].to(value_states.dtype)
 
 
+class LayerView(CacheView):
+    """One decoder layer's slice of a step's cache, handed to the compiled layer: its own pool and workspace
+    tensors, so the shared graph never indexes a per-layer list (an int guard would compile one graph per
+    layer). ``k_pos`` carries the key length as a tensor shape (dynamic), not a Python int (specialized)."""
+
+    def __init__(self, pk, pv, wk, wv, write_slots, rows, lengths, k_pos, ctx):
+        self.cache, self.ctx, self.gather_index = None, ctx, None
+        self.pk, self.pv, self.wk, self.wv = pk, pv, wk, wv
+        self.write_slots, self.rows, self.lengths, self.k_pos = write_slots, rows, lengths, k_pos
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        b, n = key_states.shape[0], self.k_pos.shape[0]
+        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
+        self.pk.index_copy_(0, self.write_slots, k_new.to(self.pk.dtype))
+        self.pv.index_copy_(0, self.write_slots, v_new.to(self.pv.dtype))
+        self.wk[self.rows, :, self.lengths] = k_new.to(self.wk.dtype)
+        self.wv[self.rows, :, self.lengths] = v_new.to(self.wv.dtype)
+        return self.wk[:b, :, :n].to(key_states.dtype), self.wv[:b, :, :n].to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.k_pos.shape[0] - 1
+
+
+def _layer_call(layer, *args, **kwargs):
+    """What the compiled region runs: one decoder layer (the same code object for every layer, so with
+    parameters as graph inputs one graph serves all layers of one kind)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def decoder_layers(model, num_layers: int) -> list:
+    """The text decoder's layers: the ModuleList of ``num_layers`` modules with a ``self_attn`` that has a
+    ``layer_idx`` (a vision tower's blocks have no layer_idx)."""
+    for mod in model.modules():
+        if (isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers
+                and all(getattr(getattr(m, "self_attn", None), "layer_idx", None) is not None for m in mod)):
+            return list(mod)
+    raise RuntimeError(f"static decode: no list of {num_layers} decoder layers found in {type(model).__name__}")
+
+
 class StaticDecode:
     """The compiled decode over a ``DecodeWorkspace``; ``decode`` has the eager workspace decode's contract."""
 
-    def __init__(self, runner, mode: str | None = None):
+    def __init__(self, runner, mode: str | None = None, region: str = "layer"):
         self.runner = runner
         self.ws = runner.workspace
         self.device = runner.device
         self.pad_buckets = self.device.type == "cuda"
-        self._fn = torch.compile(self._step, mode=mode, dynamic=None)
+        # "layer": each decoder layer runs one shared compiled graph (compile time independent of depth);
+        # "model": the whole forward is one graph (compile time grows with depth).
+        self.region = region
+        if region == "layer":
+            self._layers = decoder_layers(runner.policy.model, runner.num_layers)
+            self._windows = sorted({getattr(l.self_attn, "sliding_window", None) or None for l in self._layers},
+                                   key=lambda w: -1 if w is None else w)
+            self._layer_fn = torch.compile(_layer_call, mode=mode, dynamic=None)
+            self._fn = self._step_layers
+        else:
+            self._fn = torch.compile(self._step, mode=mode, dynamic=None)
         self.warmup_s = 0.0
         self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
+        self.warm_compiled = 0  # graphs the warm-up compiled
         self.recompiles = 0
         self.steps = 0
         self.eager_steps = 0
@@ -106,6 +164,45 @@ class StaticDecode:
             ctx.verify(r.policy.model, r.num_layers)
         return out.logits[:, -1, :]
 
+    def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v):
+        """The model's own forward, eager outside its decoder layers; each layer runs the compiled region."""
+        r = self.runner
+        kp = k_pos.view(1, -1)
+        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False)
+        ctx.inner = r._inner
+        for w in self._windows:  # built once per step, outside the region: every layer reads the same masks
+            m = ctx.mask(w)
+            torch._dynamo.mark_dynamic(m, 0)
+            torch._dynamo.mark_dynamic(m, 3)
+        view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, k_pos.shape[0], ctx)
+        rows = view.rows
+        torch._dynamo.mark_dynamic(rows, 0)
+        fn, layers = self._layer_fn, self._layers
+
+        def region(i, layer):
+            lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
+
+            def forward(hidden_states, *args, **kwargs):
+                for k, v in kwargs.items():
+                    if v is view:
+                        kwargs[k] = lv
+                torch._dynamo.mark_dynamic(hidden_states, 0)
+                pe = kwargs.get("position_embeddings")
+                for t in pe or ():
+                    torch._dynamo.mark_dynamic(t, 0)
+                return fn(layer, hidden_states, *args, **kwargs)
+            return forward
+
+        for i, layer in enumerate(layers):
+            layer.forward = region(i, layer)
+        try:
+            out = r.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                 use_cache=True, logits_to_keep=1, **{r._cache_arg: view, CTX_KWARG: ctx})
+        finally:
+            for layer in layers:
+                del layer.forward
+        return out.logits[:, -1, :]
+
     def _inputs(self, tokens, lengths, deltas, block_tables):
         r, kv = self.runner, self.runner.kv
         n = len(tokens)
@@ -115,7 +212,8 @@ class StaticDecode:
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
         key_len = max(lengths) + 1
-        if not self.ws._ensure(b, key_len):  # padded rows write position 0 of spare rows: masked, refilled on join
+        # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
+        if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
         k_pos = torch.arange(key_len, device=self.device)
         args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
@@ -135,7 +233,7 @@ class StaticDecode:
     def fits(self, n_rows: int, key_len: int) -> bool:
         """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, key_len)
+        return self.ws._ensure(b, key_len + 1)
 
     def run(self, tokens, lengths, deltas, block_tables) -> torch.Tensor:
         """Logits [B, V] of a decode step whose rows are arranged in the workspace (``arrange``)."""
@@ -182,7 +280,7 @@ class StaticDecode:
         blocks = kv.allocate(1)
         if blocks is None:
             return
-        t = time.perf_counter()
+        t, g0 = time.perf_counter(), _graphs()
         try:
             with self.runner.policy.lock, torch.inference_mode(), self.runner.policy.inference():
                 keys = [("warm", 0), ("warm", 1)]
@@ -198,3 +296,4 @@ class StaticDecode:
             kv.free(blocks)
         self.warmup_s = time.perf_counter() - t
         self.warm_graphs = _graphs()
+        self.warm_compiled = self.warm_graphs - g0  # region "layer": 1 whatever the depth (0: cached earlier)

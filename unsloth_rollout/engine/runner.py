@@ -4,7 +4,8 @@ The model is only asked for ``forward()``. Positions are given explicitly per ro
 inputs, by ``PromptVision`` (vision.py: M-RoPE for Qwen-VL, image blocks, packing rules). Masks are not
 the model's business: each forward carries a ``ForwardContext`` that the engine's attention function
 (attention.py) builds every layer's mask from, and that checks every layer used the engine's cache.
-``_static_decode`` has fixed-rank inputs so a compiled variant can replace the eager decode.
+The compiled decode step (``decode_backend="static"``, also what ``decode_compile=True`` selects) is
+decode_static.py.
 """
 
 from __future__ import annotations
@@ -22,14 +23,6 @@ from .kv_cache import CacheView, KVCache
 from .vision import PromptVision
 
 
-def _bucket(n: int, minimum: int = 1) -> int:
-    """Next power of two: a handful of decode shapes, so a compiled step is reused."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
-
-
 class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
@@ -40,8 +33,8 @@ class ModelRunner:
         self.vision_token_ids = frozenset(vision_token_ids)  # tokens whose embedding needs the prompt's pixels
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
-        # The compiled decode has fixed (bucketed) shapes over the pool: it keeps the gather backend.
-        self.decode_backend = "gather" if compile_decode else decode_backend
+        # decode_compile=True is the captured step (decode_static.py), the one compiled decode path.
+        self.decode_backend = "static" if compile_decode else decode_backend
         # "static" (decode_static.py) is the workspace rows read by a compiled step; eager steps share them.
         self.workspace = (DecodeWorkspace(kv_cache, budget_bytes=decode_workspace_bytes)
                           if self.decode_backend in ("workspace", "static") else None)
@@ -60,11 +53,6 @@ class ModelRunner:
         params = inspect.signature(policy.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.compile_decode = compile_decode
-        self._compiled = None
-        if compile_decode:
-            # Automatic dynamic shapes on CPU; on CUDA "reduce-overhead" captures CUDA graphs per bucket.
-            mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else None)
-            self._compiled = torch.compile(self._static_decode, mode=mode, dynamic=None)
         self.static = None
         if self.decode_backend == "static":
             from .decode_static import StaticDecode
@@ -244,26 +232,18 @@ class ModelRunner:
                     return self.static.run(tokens, lengths, deltas, block_tables)
                 self.static.eager_steps += 1  # rows naming different adapters (or no room to pad): eager, same rows
             return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
-        static = self._compiled is not None and names is None and not eager
-        b = _bucket(n_rows) if static else n_rows
-        lmax = _bucket(max(lengths) + 1, 64) if static else max(lengths) + 1
-        if static and b > n_rows:  # padded rows: one scratch slot, attended to and overwritten
-            tokens = list(tokens) + [0] * (b - n_rows)
-            deltas = list(deltas) + [0] * (b - n_rows)
+        b, lmax = n_rows, max(lengths) + 1
         gather = np.full((b, lmax), self.kv.scratch_slot, dtype=np.int64)
         ar = np.arange(lmax)
         for i, (n, table) in enumerate(zip(lengths, block_tables)):
             blocks = np.asarray(table, dtype=np.int64)
             pos = ar[: n + 1]
             gather[i, : n + 1] = blocks[pos // bs] * bs + pos % bs
-        lengths = list(lengths) + [0] * (b - n_rows)
         write = gather[np.arange(b), np.asarray(lengths)]
         dev = self.device
         gather_t = torch.from_numpy(gather).to(dev)
         write_t = torch.from_numpy(write).to(dev)
         input_ids, pos, lens_t = self._decode_inputs(tokens, lengths, deltas)
-        if static:
-            return self._compiled(input_ids, pos, lens_t, write_t, gather_t)[:n_rows]
         ctx = ForwardContext.decode(lens_t, lmax)
         view = CacheView(self.kv, write_t, gather_t, lmax, ctx)
         return self._forward(input_ids, pos, ctx, view, names)
@@ -305,9 +285,3 @@ class ModelRunner:
             self.kv.free(blocks)
         if self.static is not None:
             self.static.warm()  # compiles the captured step, after its eager run through the guard
-
-    def _static_decode(self, input_ids, position_ids, lengths, write_slots, gather_index) -> torch.Tensor:
-        """The fixed-shape decode step (bucketed batch and length) that torch.compile captures."""
-        ctx = ForwardContext.decode(lengths, gather_index.shape[1], check=False)
-        view = CacheView(self.kv, write_slots, gather_index, gather_index.shape[1], ctx)
-        return self._forward(input_ids, position_ids, ctx, view)
