@@ -8,15 +8,12 @@ It samples from the same model object the optimizer updates (Unsloth or transfor
 Importing this package imports neither areal, fastapi nor unsloth.
 """
 
-import logging as _logging
-
+from . import logs as _logs  # noqa: F401 - first: the project's loggers (silent by default) before any module logs
 from .engine import (CacheBypassError, EngineConfig, ModelNotServableError, GenerationOutput, GenerationRequest, InvalidRequestError, RequestRejected,
                      RolloutEngine, SamplingParams, StreamDelta, StructuredOutputs)
 from .models import PolicyModel, UnsupportedModelError, load_model, supported_families
 
 __version__ = "0.1.0"
-
-_logging.getLogger("unsloth_rollout").addHandler(_logging.NullHandler())
 
 __all__ = [
     "CacheBypassError", "ModelNotServableError", "UnsupportedModelError", "supported_families", "EngineConfig", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "PolicyModel",

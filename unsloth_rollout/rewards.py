@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import math
 
-logger = logging.getLogger("unsloth_rollout")
+from .logs import get_logger
+
+logger = get_logger("unsloth_rollout")
 
 
 def finite_reward(value: float, where: str, log: logging.Logger | None = None) -> float:

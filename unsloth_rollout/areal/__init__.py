@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import compat  # noqa: F401 - first: AReaL's private names, and the project's loggers kept across its rebuilds
+
 __all__ = ["AgentServer", "ColocatedTrainEngine", "UnslothAgentWorkflow", "UnslothConfig", "UnslothInferenceEngine",
            "UnslothPPOActor", "UnslothPPOConfig", "install", "is_installed"]
 

@@ -47,12 +47,14 @@ from typing import Any
 from areal.api import RolloutWorkflow
 from areal.experimental.openai.cache import InteractionCache
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
-from areal.utils import logging, stats_tracker
+from areal.utils import stats_tracker
 
+from ..logs import get_logger
+from . import compat
 from .finite_rewards import finite_reward
 from .openai_compat import UnslothModelResponse, project_tool_parser
 
-logger = logging.getLogger("UnslothAgentServer")
+logger = get_logger("unsloth_rollout.areal.agent_server")
 
 SESSION_KEY_PREFIX = "areal-session-"
 IN_PROCESS = "unsloth-in-process"  # the proxy_addr AReaL's workflow resolution gets: the engine serves itself
@@ -76,11 +78,13 @@ class AgentSession:
         concat mode does (the parent completion's tokens, then the new messages' tokens); None for "hf"."""
         if self.chat_template_type != "concat":
             return None
-        from areal.experimental.openai.client import _ensure_message_dict_list, concat_prompt_token_ids_with_parent
+        from areal.experimental.openai.client import concat_prompt_token_ids_with_parent
+
+        ensure_message_dict_list = compat.ENSURE_MESSAGE_DICT_LIST.get()
 
         def build(tok_messages, tools, kwargs):
             interaction = InteractionWithTokenLogpReward(
-                messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="concat")
+                messages=ensure_message_dict_list("messages", list(req.messages)), chat_template_type="concat")
             self.cache[rid] = interaction  # finds its parent (the longest recorded prefix of these messages)
             parent = interaction.parent
             rest = tok_messages[len(parent.messages) + len(parent.output_message_list):] if parent else tok_messages
@@ -97,7 +101,6 @@ class AgentSession:
 
     def record(self, rid: str, req, prep, outs, body: dict) -> None:
         """Store one chat completion as AReaL's proxy does (called by the server before it answers)."""
-        from areal.experimental.openai.client import _ensure_message_dict_list
         from openai.types.chat import ChatCompletion
 
         if self.closed:
@@ -121,7 +124,8 @@ class AgentSession:
         interaction = self.cache.get(rid)  # concat: created with the prompt
         if interaction is None:
             interaction = InteractionWithTokenLogpReward(
-                messages=_ensure_message_dict_list("messages", list(req.messages)), chat_template_type="hf")
+                messages=compat.ENSURE_MESSAGE_DICT_LIST.get()("messages", list(req.messages)),
+                chat_template_type="hf")
         interaction.model_response = response
         interaction.completion = completion
         # The assistant message exactly as the agent's SDK reads it (what it appends to its conversation).
@@ -267,11 +271,10 @@ class UnslothAgentWorkflow(RolloutWorkflow):
             if http_client is not None:
                 kwargs["http_client"] = http_client
             return await self.agent.run(data, **kwargs)
-        from areal.experimental.openai.proxy.workflow import _get_executor, _wrap_run
-
         env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": session.key}
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_get_executor(max_workers=self.subproc_max_workers), _wrap_run,
+        return await loop.run_in_executor(compat.PROXY_EXECUTOR.get()(max_workers=self.subproc_max_workers),
+                                          compat.PROXY_WRAP_RUN.get(),
                                           self.agent, data, env)
 
     @staticmethod

@@ -30,7 +30,9 @@ import functools
 import threading
 from copy import deepcopy
 
+from . import compat
 from ._spec import BACKEND_NAME, is_unsloth_backend
+from .openai_compat import patch_openai
 
 _GRAMMAR_OLD = 'INFER_BACKEND: "sglang" | "vllm"'
 _GRAMMAR_NEW = 'INFER_BACKEND: "sglang" | "vllm" | "unsloth"'
@@ -140,9 +142,8 @@ def _patch_grammar() -> None:
 def _patch_launcher_allocation() -> None:
     """AReaL's SPMD launchers size the trainer job from ``allocation_mode`` via ``_AllocationMode``, whose
     training allocations are fsdp/megatron/archon only; count ``unsloth:dN`` as N trainer processes."""
-    from areal.api.alloc_mode import _AllocationMode
-
-    original = _AllocationMode._get_training_allocations
+    allocation_mode = compat.ALLOCATION_MODE.get()
+    original = compat.TRAINING_ALLOCATIONS.get()
     if getattr(original, "_unsloth_wrapped", False):
         return
 
@@ -151,21 +152,21 @@ def _patch_launcher_allocation() -> None:
         return [a for a in self.allocations if a.backend in ("fsdp", "megatron", "archon", BACKEND_NAME)]
 
     _get_training_allocations._unsloth_wrapped = True
-    _AllocationMode._get_training_allocations = _get_training_allocations
+    setattr(allocation_mode, compat.TRAINING_ALLOCATIONS.name, _get_training_allocations)
 
 
-def _wrap(cls, name: str, make):
-    original = getattr(cls, name)
+def _wrap(name: str, make):
+    """Wrap the PPOTrainer private method ``name`` (a hook listed, with its AReaL version, in compat)."""
+    hook = compat.trainer_hook(name)
+    original = hook.get()
     if getattr(original, "_unsloth_wrapped", False):
         return
     wrapped = functools.wraps(original)(make(original))
     wrapped._unsloth_wrapped = True
-    setattr(cls, name, wrapped)
+    setattr(hook.owner(), name, wrapped)
 
 
 def _patch_trainer() -> None:
-    from areal.trainer.rl_trainer import PPOTrainer
-
     def init_scheduler(orig):
         def f(self):
             return None if uses_unsloth(self) else orig(self)
@@ -196,39 +197,21 @@ def _patch_trainer() -> None:
                 validate_config(self)
         return f
 
-    _wrap(PPOTrainer, "_init_scheduler", init_scheduler)
-    _wrap(PPOTrainer, "_create_train_engine", create_train)
-    _wrap(PPOTrainer, "_init_rollout", init_rollout)
-    _wrap(PPOTrainer, "_save_initial_lora_weights", save_initial_lora)
-    _wrap(PPOTrainer, "_validate_cfg", validate)
+    _wrap("_init_scheduler", init_scheduler)
+    _wrap("_create_train_engine", create_train)
+    _wrap("_init_rollout", init_rollout)
+    _wrap("_save_initial_lora_weights", save_initial_lora)
+    _wrap("_validate_cfg", validate)
 
     def ensure_proxy(orig):
         def f(self):
             if uses_unsloth(self):  # agent workflows: the engine serves them in process (agent_server)
-                self._proxy_started = True
+                setattr(self, compat.TRAINER_PROXY_STARTED_ATTR, True)
                 return None
             return orig(self)
         return f
 
-    _wrap(PPOTrainer, "_ensure_proxy_started", ensure_proxy)
-
-
-def patch_openai() -> None:
-    """ArealOpenAI on an unsloth-only install: the project's tool-call parsers where AReaL finds none,
-    and ``multi_modal_input`` (the engine's own pixel values) in its trajectories. Idempotent; also run by
-    ``UnslothInferenceEngine.initialize()`` so ArealOpenAI works on the engine without ``install()``."""
-    from areal.experimental.openai import client, tool_call_parser, types
-
-    from .openai_compat import wrap_process_tool_calls, wrap_to_tensor_dict
-
-    if not getattr(tool_call_parser, "UNSLOTH_TOOL_PARSERS", False):
-        if not getattr(tool_call_parser.process_tool_calls, "_unsloth_wrapped", False):
-            wrapped = wrap_process_tool_calls(tool_call_parser.process_tool_calls)
-            tool_call_parser.process_tool_calls = wrapped
-            client.process_tool_calls = wrapped  # imported by name there
-    cls = types.InteractionWithTokenLogpReward
-    if not getattr(types, "UNSLOTH_MULTI_MODAL", False) and not getattr(cls.to_tensor_dict, "_unsloth_wrapped", False):
-        cls.to_tensor_dict = wrap_to_tensor_dict(cls.to_tensor_dict)
+    _wrap("_ensure_proxy_started", ensure_proxy)
 
 
 def _patched_source() -> bool:

@@ -14,16 +14,15 @@ from typing import Any
 import torch
 from areal.api.workflow_api import RolloutWorkflow
 from areal.experimental.openai.types import InteractionWithTokenLogpReward
-from areal.utils import logging
 
+from ..logs import get_logger
 from ..rewards import finite_reward as _finite_reward
 
-# AReaL's logging (its getLogger resets the stdlib's logger tree, orphaning loggers made before).
-logger = logging.getLogger("UnslothRewards")
+logger = get_logger("unsloth_rollout.areal.finite_rewards")
 
 
 def finite_reward(value: float, where: str) -> float:
-    """``value`` as a float, or 0.0 (logged on AReaL's logger) when it is NaN or infinite."""
+    """``value`` as a float, or 0.0 (logged on the project's logger) when it is NaN or infinite."""
     return _finite_reward(value, where, logger)
 
 

@@ -30,18 +30,19 @@ from typing import Any, Callable
 from areal.api import InferenceEngine, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.api.cli_args import InferenceEngineConfig
 from areal.api.io_struct import get_versioned_lora_name
-from areal.infra.remote_inf_engine import RemoteInfEngine
 from areal.infra.utils.concurrent import get_executor
 from areal.infra.workflow_executor import WorkflowExecutor
-from areal.utils import logging, name_resolve, names, stats_tracker
+from areal.utils import name_resolve, names, stats_tracker
 
+from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
 from ..engine.omp import release_thread_team
 from ..models import PolicyModel, load_model
+from . import compat
 from ._spec import is_unsloth_backend, parse_unsloth_backend
-from .openai_compat import UnslothModelResponse
+from .openai_compat import UnslothModelResponse, patch_openai
 
-logger = logging.getLogger("UnslothInferenceEngine")
+logger = get_logger("unsloth_rollout.areal.inference_engine")
 
 # AReaL's "no top-k" value is 1e8; anything at or beyond the vocabulary is "off" here.
 _TOP_K_OFF = int(1e8)
@@ -69,7 +70,7 @@ class UnslothInferenceEngine(InferenceEngine):
         resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig)))
     """
 
-    _resolve_should_accept_fn = RemoteInfEngine._resolve_should_accept_fn
+    _resolve_should_accept_fn = compat.RESOLVE_SHOULD_ACCEPT_FN.get()
 
     def _resolve_workflow(self, workflow, workflow_kwargs, group_size: int = 1, proxy_addr: str | None = None):
         """AReaL's own workflow resolution (instance / class / "module.Class", group_size through
@@ -78,8 +79,8 @@ class UnslothInferenceEngine(InferenceEngine):
         from .agent_server import IN_PROCESS
         from .finite_rewards import FiniteRewardWorkflow
 
-        return FiniteRewardWorkflow(RemoteInfEngine._resolve_workflow(self, workflow, workflow_kwargs, group_size,
-                                                                      proxy_addr=proxy_addr or IN_PROCESS))
+        return FiniteRewardWorkflow(compat.RESOLVE_WORKFLOW.get()(self, workflow, workflow_kwargs, group_size,
+                                                                  proxy_addr=proxy_addr or IN_PROCESS))
 
     def _wrap_openai_agent(self, agent, proxy_addr: str | None = None):
         """An agent workflow as an ``UnslothAgentWorkflow`` on this engine's ``AgentServer``."""
@@ -158,11 +159,9 @@ class UnslothInferenceEngine(InferenceEngine):
         """
         if self._initialized:
             return
-        from .backend import patch_openai
-
         patch_openai()  # ArealOpenAI on this engine: tool calls without sglang/vllm, pixels in VLM trajectories
         self.engine_id = engine_id or uuid.uuid4().hex[:8]
-        self.logger = logging.getLogger(f"[UnslothInferenceEngine {self.engine_id}]")
+        self.logger = get_logger(f"unsloth_rollout.areal.inference_engine.{self.engine_id}")
         if self._engine is None:
             policy = self._policy_arg
             if not isinstance(policy, PolicyModel):
@@ -360,9 +359,9 @@ class UnslothInferenceEngine(InferenceEngine):
 
     def _wake_dispatcher(self) -> None:
         # The producer thread waits on an un-timed condition that set_version() alone never notifies.
-        if self._workflow_executor is None or self._workflow_executor._dispatcher is None:
+        if self._workflow_executor is None or compat.executor_dispatcher(self._workflow_executor) is None:
             return
-        cv = getattr(self._workflow_executor.dispatcher, "_input_cv", None)
+        cv = compat.dispatcher_input_cv(self._workflow_executor.dispatcher)
         if cv is not None:
             with cv:
                 cv.notify_all()

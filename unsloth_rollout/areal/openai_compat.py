@@ -9,6 +9,8 @@
 - ``UnslothModelResponse``: a ``ModelResponse`` that also carries the vision inputs (pixel values,
   grid) the engine ran the prompt with; ``to_tensor_dict_with_images`` adds them to AReaL's
   trajectory as ``multi_modal_input``, so the trainer sees the very pixels the rollout used.
+- ``patch_openai()``: installs both into AReaL (idempotent); ``install()`` and
+  ``UnslothInferenceEngine.initialize()`` call it.
 
 AReaL parser names map onto the project's formats: ``qwen`` / ``qwen25`` / ``hermes`` ->
 Hermes (``<tool_call>{json}</tool_call>``), ``llama3`` / ``llama3_json`` -> Llama-3 JSON. Reasoning
@@ -145,3 +147,18 @@ def wrap_to_tensor_dict(original):
     to_tensor_dict._unsloth_wrapped = True
     return to_tensor_dict
 
+
+def patch_openai() -> None:
+    """ArealOpenAI on an unsloth-only install: the project's tool-call parsers where AReaL finds none,
+    and ``multi_modal_input`` (the engine's own pixel values) in its trajectories. Idempotent; also run by
+    ``UnslothInferenceEngine.initialize()`` so ArealOpenAI works on the engine without ``install()``."""
+    from areal.experimental.openai import client, tool_call_parser, types
+
+    if not getattr(tool_call_parser, "UNSLOTH_TOOL_PARSERS", False):
+        if not getattr(tool_call_parser.process_tool_calls, "_unsloth_wrapped", False):
+            wrapped = wrap_process_tool_calls(tool_call_parser.process_tool_calls)
+            tool_call_parser.process_tool_calls = wrapped
+            client.process_tool_calls = wrapped  # imported by name there
+    cls = types.InteractionWithTokenLogpReward
+    if not getattr(types, "UNSLOTH_MULTI_MODAL", False) and not getattr(cls.to_tensor_dict, "_unsloth_wrapped", False):
+        cls.to_tensor_dict = wrap_to_tensor_dict(cls.to_tensor_dict)

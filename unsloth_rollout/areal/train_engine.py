@@ -35,14 +35,15 @@ import torch.distributed as dist
 from areal.api import FinetuneSpec, InferenceEngine, SaveLoadMeta, TrainEngine, WeightUpdateMeta
 from areal.api.cli_args import PPOActorConfig, TrainEngineConfig
 from areal.api.io_struct import DeviceRuntimeInfo
-from areal.utils import logging, name_resolve, names, stats_tracker
+from areal.utils import name_resolve, names, stats_tracker
 from areal.utils.data import concat_padded_tensors
 
+from ..logs import get_logger
 from ..engine.inputs import mm_token_type_ids
 from ..models import PolicyModel, load_model
 from ..models import weights as policy_weights
 
-logger = logging.getLogger("ColocatedTrainEngine")
+logger = get_logger("unsloth_rollout.areal.train_engine")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 import platform
 import sys
@@ -22,11 +21,12 @@ import traceback
 import numpy as np
 import torch
 
+from ..logs import get_logger
 from .backends import BACKENDS, BenchContext, spread
 from ..testing.oracles import perturb_lora, teacher_forced
 from .workloads import Workload, build_workload, image_inputs
 
-logger = logging.getLogger("unsloth_rollout.bench")
+logger = get_logger("unsloth_rollout.bench")
 
 MODELS = {
     "small-vlm": ("qwen2_5_vl", "small"),

@@ -8,7 +8,6 @@ pause and weight-change bookkeeping on top.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from contextlib import nullcontext
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..logs import get_logger
 from ..models.families import text_dims
 from .attention import ModelNotServableError
 from .config import EngineConfig
@@ -31,7 +31,7 @@ from .scoring import PromptScorer
 from .sequence import Sequence, Status
 from .weights import WeightsClock
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 PACK_MAX_TOKENS = 4096  # most prompt tokens packed into one prefill forward (its mask is quadratic in them)
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import types
 from typing import AsyncIterator, Iterable
 
+from ..logs import get_logger
 from ..errors import EngineStopped, InvalidRequestError, RequestRejected  # noqa: F401  (re-exported)
 from ..models import weights as policy_weights
 from .config import EngineConfig
@@ -35,7 +35,7 @@ from .stats import engine_stats
 from .streams import RequestStream, open_stream
 from .worker import StepDriver
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 
 class RolloutEngine:

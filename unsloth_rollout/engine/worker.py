@@ -18,18 +18,18 @@ Exactly one thread owns the drive at a time (``owner``); ``step_lock`` is held f
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 
 import torch
 
+from ..logs import get_logger
 from ..errors import ModelNotServableError
 from .inbox import Inbox
 from .omp import release_thread_team
 from .pauses import PauseHolders
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 WORKER_NAME = "unsloth-rollout-engine"
 _FAILED_STEP_BACKOFF_S = 0.05  # after a failed step, instead of spinning on it

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import re
 import warnings
@@ -33,10 +32,11 @@ import weakref
 
 import torch
 
+from ..logs import get_logger
 from ..errors import AdapterNotFoundError, InvalidRequestError
 from .loader import _VISION_MARKERS  # vision-tower path parts: a decode step does not run them
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 _CONFIG = "adapter_config.json"

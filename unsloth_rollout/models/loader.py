@@ -10,18 +10,18 @@ UNSLOTH_FAST_PATH_TYPES) and logs one line saying which and why.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import re
 from typing import Any
 
 import torch
 
+from ..logs import get_logger
 from .families import check_supported, is_vlm_config
 from .policy import PolicyModel
 from .processor import load_processor
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 BACKENDS = ("auto", "unsloth", "transformers")
 

@@ -13,16 +13,16 @@ context managers (leaving the block restores the previous mode)::
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..logs import get_logger
 from .families import check_supported, is_vlm_config
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
 
@@ -29,6 +28,7 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from ..logs import get_logger
 from .families import family_of
 
 try:  # transformers >= 5.17 splits the PIL and torchvision image processors
@@ -40,7 +40,7 @@ except ImportError:  # older releases: the plain class is the PIL one
         Qwen2VLImageProcessor as QwenVLPilImageProcessor,
     )
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 __all__ = [
     "QwenVLPilImageProcessor",

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import os
 import re
 import time
@@ -30,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..logs import get_logger
 from .. import __version__
 from ..engine import EngineStopped, GenerationRequest, InvalidRequestError
 from ..engine.config import LOGPROBS_MODES
@@ -43,7 +43,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
 from .state import ServerOptions, ServerState
 from .weight_transfer import install_weight_transfer_routes, parse_weight_transfer_config
 
-logger = logging.getLogger("unsloth_rollout.serve")
+logger = get_logger("unsloth_rollout.serve")
 
 # Endpoints whose body is JSON: another content type is refused (400), as vLLM's validate_json_request does.
 _JSON_PATHS = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/load_lora_adapter",

@@ -13,9 +13,10 @@ import logging
 import os
 import sys
 
+from ..logs import get_logger
 from ..engine.config import parse_bytes
 
-logger = logging.getLogger("unsloth_rollout.serve")
+logger = get_logger("unsloth_rollout.serve")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -9,12 +9,12 @@ Example::
 
 from __future__ import annotations
 
-import logging
 
+from ..logs import get_logger
 from ..models import weights as policy_weights
 from ..models.weights import base_weights  # noqa: F401  (re-exported: weight_transfer.py imports it from here)
 
-logger = logging.getLogger("unsloth_rollout.serve")
+logger = get_logger("unsloth_rollout.serve")
 
 
 def load_weights_from_disk(engine, path: str) -> int:

@@ -12,18 +12,18 @@ import dataclasses
 import functools
 import inspect
 import json
-import logging
 import math
 import time
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from ..models import PolicyModel
 from ..rewards import finite_reward
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 # generation_kwargs keys (vLLM SamplingParams or transformers GenerationConfig spelling) -> SamplingParams field.
 _KWARG_FIELDS = {
