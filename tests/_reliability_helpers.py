@@ -17,21 +17,17 @@ import threading
 import time
 
 import httpx
-from conftest import figures_root
 import numpy as np
 import torch
+
+from unsloth_rollout.testing.figures import figures_root
+from unsloth_rollout.testing.server import free_port, metrics  # noqa: F401 - the reliability tests' /metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 FIGURES = figures_root() / "reliability"
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -130,17 +126,6 @@ class Canary:
     def close(self):
         self._stop = True
         self.sock.close()
-
-
-def metrics(base: str, client=None) -> dict:
-    """/metrics as {name: value} (labels dropped, except finished_reason / status kept in the key)."""
-    text = (client or httpx).get(base + "/metrics", timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key.split("{")[0] if "finished_reason" not in key and "status" not in key else key] = float(value)
-    return out
 
 
 def errors_by_status(m: dict) -> dict[int, float]:

@@ -1,4 +1,5 @@
-"""Shared fixtures: offline tiny models (built once per machine, cached) and HF oracles."""
+"""Fixtures and pytest hooks only: offline tiny models (built once per machine, cached), the smoke selection.
+Shared helpers live in ``unsloth_rollout.testing`` (oracles, toy, drive, figures, server, waits, logs)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np
 import pytest
 import torch
 
-from unsloth_rollout.testing.oracles import mm_token_type_ids, perturb_lora, teacher_forced  # noqa: F401
+from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.testing.tiny import tiny_model_path
 
 
@@ -43,15 +43,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"smoke tests listed in conftest.SMOKE_TESTS but not collected: {missing}")
 
 
-def figures_root():
-    """Where tests write measured figures: $UNSLOTH_ROLLOUT_FIGURES, else the ignored .figures/ folder.
-    ``scripts/record_figures.sh`` points it at benchmarks/ to refresh the recorded ones."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    return pathlib.Path(os.environ.get("UNSLOTH_ROLLOUT_FIGURES") or root / ".figures")
-
-
 @pytest.fixture(scope="session")
 def qwen2_dir():
     return str(tiny_model_path("qwen2", "tiny"))
@@ -72,25 +63,6 @@ def model_dirs(qwen2_dir, qwen2_vl_dir, qwen2_5_vl_dir):
     return {"qwen2": qwen2_dir, "qwen2_vl": qwen2_vl_dir, "qwen2_5_vl": qwen2_5_vl_dir}
 
 
-def random_images(n: int, seed: int = 0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    sizes = [(64, 48), (40, 90), (56, 56), (30, 70), (84, 28)]
-    return [Image.fromarray(rng.integers(0, 255, (*sizes[i % len(sizes)], 3), dtype=np.uint8)) for i in range(n)]
-
-
-def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,
-                            mm=None):
-    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle),
-    and the logits; see unsloth_rollout.testing.oracles. ``mm``: any other family's processor outputs for the
-    prompt (pixel_values, image_sizes, token_type_ids ...)."""
-    vision = {k: v for k, v in (mm or {}).items() if k not in ("input_ids", "attention_mask")}
-    if pixel_values is not None:
-        vision.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-    return teacher_forced(policy, prompt_ids, output_ids, temperature, **vision)
-
-
 @pytest.fixture
 def qwen2_lora_policy(qwen2_dir):
     """The tiny Qwen2 with LoRA r=8 whose B matrices are random (so LoRA is not a no-op)."""
@@ -100,24 +72,3 @@ def qwen2_lora_policy(qwen2_dir):
     p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
     perturb_lora(p.model, std=0.3)
     return p
-
-
-def run_staggered(engine, early: list, late: list, timeout: float = 300, preempt: bool = True):
-    """Submit ``early``, wait until the engine decodes, then submit ``late`` (arrivals mid-decode); with
-    ``preempt``, once those decode too, preempt everything running (KV freed, recomputed when readmitted).
-    Returns (outputs per request in order, the engine's stats at the end)."""
-    import time
-
-    futs = [engine.submit(r) for r in early]
-    deadline = time.time() + 60
-    while engine.stats()["decode_tokens"] == 0 and time.time() < deadline:
-        time.sleep(0.001)
-    futs += [engine.submit(r) for r in late]
-    if preempt:  # a preemption whatever the timing: offload frees every running sequence's KV (recomputed later)
-        done = engine.stats()["decode_tokens"]
-        while engine.stats()["decode_tokens"] < done + len(late) and time.time() < deadline + 60:
-            time.sleep(0.001)
-        engine.offload()
-        engine.onload()
-    outs = [f.result(timeout=timeout) for f in futs]
-    return outs, engine.stats()

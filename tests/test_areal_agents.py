@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from areal.api.cli_args import InferenceEngineConfig  # noqa: E402
 from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.areal import install  # noqa: E402
 from unsloth_rollout.areal.inference_engine import UnslothInferenceEngine  # noqa: E402
+from unsloth_rollout.testing.logs import captured  # noqa: E402
 
 try:  # tests/ as a package or as a plain folder on sys.path
     from tests._areal_helpers import ForcedOutput, png_data_url, random_image  # noqa: E402
@@ -434,25 +435,6 @@ class _BadReward:
         return "great"
 
 
-@contextlib.contextmanager
-def _logged(logger):
-    """The messages ``logger`` emits inside the block (AReaL's loggers do not propagate to pytest's caplog)."""
-    import logging
-
-    seen: list[str] = []
-
-    class _H(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    h = _H()
-    logger.addHandler(h)
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(h)
-
-
 def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(engine, rollout_engine):
     from unsloth_rollout.areal import agent_server
     from unsloth_rollout.areal.agent_server import UnslothAgentWorkflow
@@ -488,7 +470,7 @@ def test_agent_workflow_runs_unchanged_and_bad_agents_end_only_their_episode(eng
                                (_NoCompletion(), 0, "made no chat completion"),
                                (UnslothAgentWorkflow(_Hangs(), lambda: engine.agent_server, timeout_s=2.0), 1,
                                 "ran past 2.0 s")):
-            with _logged(agent_server.logger) as logged:
+            with captured(agent_server.logger, logging.WARNING) as logged:
                 out = engine.rollout_batch([{"i": 0}], workflow=bad)
             assert len(out) == kept
             if kept:

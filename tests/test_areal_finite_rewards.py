@@ -4,7 +4,6 @@ group-normalized advantages AReaL's PPO actor computes from them (AReaL's own ``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -20,8 +19,10 @@ from areal.utils.data import Normalization  # noqa: E402
 from areal.workflow import RLVRWorkflow  # noqa: E402
 
 from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
+from unsloth_rollout.areal import finite_rewards  # noqa: E402
 from unsloth_rollout.areal.agent_server import UnslothAgentWorkflow  # noqa: E402
 from unsloth_rollout.areal.inference_engine import UnslothInferenceEngine  # noqa: E402
+from unsloth_rollout.testing.logs import captured  # noqa: E402
 
 
 def nan_reward_fn(*args, **kwargs):  # module level: AReaL runs reward functions in a process pool
@@ -54,25 +55,6 @@ class _Agent:
         return self.reward(ids) if callable(self.reward) else self.reward
 
 
-@contextlib.contextmanager
-def _warnings():
-    seen: list[str] = []
-
-    class _H(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                seen.append(record.getMessage())
-
-    from unsloth_rollout.areal.finite_rewards import logger as log
-
-    h = _H()
-    log.addHandler(h)
-    try:
-        yield seen
-    finally:
-        log.removeHandler(h)
-
-
 @pytest.fixture(scope="module")
 def engine(qwen2_dir):
     policy = load_model(qwen2_dir, backend="transformers")
@@ -95,7 +77,7 @@ def _advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def test_an_agent_returning_a_non_finite_reward_exports_zero(engine, reward):
     good = UnslothAgentWorkflow(_Agent(1.0), lambda: engine.agent_server, discount=0.9)
     bad = UnslothAgentWorkflow(_Agent(reward), lambda: engine.agent_server, discount=0.9)
-    with _warnings() as seen:
+    with captured(finite_rewards.logger, logging.WARNING) as seen:
         [t_bad] = engine.rollout_batch([{"i": 0}], workflow=bad)
     [t_good] = engine.rollout_batch([{"i": 1}], workflow=good)
     rewards = t_bad["rewards"]
@@ -112,7 +94,7 @@ def test_a_workflow_reward_fn_returning_a_non_finite_reward_exports_zero(engine,
     tok = engine.rollout_engine.tokenizer
     gconfig = GenerationHyperparameters(max_new_tokens=4, greedy=False)
     data = {"messages": [{"role": "user", "content": "Hi"}]}
-    with _warnings() as seen:
+    with captured(finite_rewards.logger, logging.WARNING) as seen:
         [t] = engine.rollout_batch([data], workflow=RLVRWorkflow(reward_fn=fn, gconfig=gconfig, tokenizer=tok,
                                                                   enable_thinking=False), group_size=2)
     assert t["rewards"].tolist() == [0.0, 0.0]

@@ -9,7 +9,7 @@ import pathlib
 import time
 
 import pytest
-from conftest import figures_root
+from unsloth_rollout.testing.figures import figures_root
 
 from unsloth_rollout.testing.figures import plot_reward_curve
 
@@ -24,7 +24,7 @@ STEPS = 30
 
 def test_grpo_learns_toy_reward_on_cpu(tmp_path):
     from unsloth_rollout.areal.grpo import main
-    from unsloth_rollout.areal.rewards import TOY_TARGET_IDS
+    from unsloth_rollout.testing.toy import TOY_TARGET_IDS
 
     t0 = time.perf_counter()
     history = main(["--config", str(CONFIG), f"total_train_steps={STEPS}", f"cluster.fileroot={tmp_path}/exp",

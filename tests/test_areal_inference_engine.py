@@ -236,7 +236,7 @@ def test_workflow_resolution_and_forward_compatible_kwargs(make_engine, text_pol
     engine = make_engine(consumer_batch_size=2, max_head_offpolicyness=int(1e10))
     engine.initialize()
     data = {"messages": [{"role": "user", "content": "Hi"}]}
-    kwargs = dict(reward_fn="unsloth_rollout.areal.rewards.target_token_fraction",
+    kwargs = dict(reward_fn="unsloth_rollout.testing.toy.target_token_fraction",
                   gconfig=GenerationHyperparameters(max_new_tokens=4), tokenizer=text_policy.tokenizer)
     by_class = engine.rollout_batch([data], workflow=RLVRWorkflow, workflow_kwargs=kwargs, group_size=2)
     by_string = engine.rollout_batch([data], workflow="areal.workflow.rlvr.RLVRWorkflow", workflow_kwargs=kwargs,

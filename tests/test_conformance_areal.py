@@ -20,28 +20,16 @@ from areal.api.cli_args import InferenceEngineConfig  # noqa: E402
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.areal.inference_engine import UnslothInferenceEngine  # noqa: E402
 from unsloth_rollout.testing.oracles import teacher_forced  # noqa: E402
-from unsloth_rollout.testing.server import serve_subprocess  # noqa: E402
+from unsloth_rollout.testing.fixtures import policy_fixture, server_fixture  # noqa: E402
 from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def text_dir():
-    return str(tiny_model_path("qwen2", "tiny"))
+text_policy = policy_fixture(model="qwen2_dir")
 
 
-@pytest.fixture(scope="module")
-def text_policy(text_dir):
-    return load_model(text_dir, backend="transformers")
-
-
-@pytest.fixture(scope="module")
-def server(text_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("areal_server") / "server.log"
-    with serve_subprocess(text_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                          log_path=log) as base:
-        yield base
+server = server_fixture("--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", model="qwen2_dir")
 
 
 def _batch(rows: list[tuple[list[int], int]], pad: int = 0) -> dict:

@@ -16,30 +16,18 @@ pytestmark = pytest.mark.trl
 
 import torch  # noqa: E402
 
-from unsloth_rollout import load_model  # noqa: E402
 from unsloth_rollout.testing.oracles import teacher_forced  # noqa: E402
-from unsloth_rollout.testing.server import completion_length_reward, serve_subprocess  # noqa: E402
-from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.fixtures import policy_fixture, server_fixture  # noqa: E402
+from unsloth_rollout.testing.server import completion_length_reward  # noqa: E402
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model_path("qwen2", "tiny"))
+server = server_fixture("--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", "--max-loras", "4",
+                        "--max-lora-rank", "64", "--enable-runtime-lora", model="qwen2_dir")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("trl_server") / "server.log"
-    with serve_subprocess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                          "--max-loras", "4", "--max-lora-rank", "64", "--enable-runtime-lora", log_path=log) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def policy(model_dir):
-    return load_model(model_dir, backend="transformers")
+policy = policy_fixture(model="qwen2_dir")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +60,7 @@ def test_server_info_has_what_trl_reads(server):
     assert httpx.get(server + "/v1/models").json()["data"][0]["max_model_len"] == 256
 
 
-def test_select_adapter_sync_takes_the_adapter_path(server, model_dir, tmp_path):
+def test_select_adapter_sync_takes_the_adapter_path(server, qwen2_dir, tmp_path):
     """TRL's async GRPO ``select_adapter_sync`` on the dict the server returns: a PEFT model of rank 8 within
     max_lora_rank and max_staleness + 2 <= max_loras syncs adapters (True); a rank above max_lora_rank raises,
     as TRL's own unit tests of that function expect."""
@@ -83,11 +71,11 @@ def test_select_adapter_sync_takes_the_adapter_path(server, model_dir, tmp_path)
     from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncClient
 
     info = AsyncClient(server).get_server_info()
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(qwen2_dir)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=1, report_to="none", use_cpu=True, bf16=False)
     small = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     assert select_adapter_sync(info, small, args) is True
-    big = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+    big = get_peft_model(AutoModelForCausalLM.from_pretrained(qwen2_dir),
                          LoraConfig(r=128, target_modules=["q_proj", "v_proj"]))
     with pytest.raises(ValueError, match="max-lora-rank"):
         select_adapter_sync(info, big, args)
@@ -138,7 +126,7 @@ def test_vllm_client_sequence_logprobs_match_teacher_forcing(vllm_client, policy
 
 
 @pytest.mark.timeout(600)
-def test_async_grpo_trainer_with_peft_trains_against_the_server(server, model_dir, tmp_path):
+def test_async_grpo_trainer_with_peft_trains_against_the_server(server, qwen2_dir, tmp_path):
     """TRL's ``AsyncGRPOTrainer`` with a PEFT model (test_async_grpo_trainer.py's training test, on this
     server): it probes /server_info, chooses adapter sync, trains 3 steps with rollouts from the server's
     /v1/completions, and publishes each policy as ``trl-policy-vN`` through /pause, /v1/load_lora_adapter,
@@ -154,7 +142,7 @@ def test_async_grpo_trainer_with_peft_trains_against_the_server(server, model_di
 
     from unsloth_rollout.testing.trl_cpu import allow_async_grpo_on_cpu
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(qwen2_dir)
     tok.chat_template = qwen3_chat_template  # a template TRL's response parser knows
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i}"}] for i in range(12)]})
     args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server, num_generations=2,
@@ -163,7 +151,7 @@ def test_async_grpo_trainer_with_peft_trains_against_the_server(server, model_di
                            dtype="float32", vllm_server_timeout=30, save_strategy="no", learning_rate=1e-3)
     restore = allow_async_grpo_on_cpu()
     try:
-        trainer = AsyncGRPOTrainer(model=model_dir, processing_class=tok, reward_funcs=completion_length_reward,
+        trainer = AsyncGRPOTrainer(model=qwen2_dir, processing_class=tok, reward_funcs=completion_length_reward,
                                    args=args, train_dataset=ds,
                                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         assert trainer._lora_sync is True  # the adapter path, chosen from /server_info

@@ -18,37 +18,25 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
-from unsloth_rollout import load_model  # noqa: E402
 from unsloth_rollout.testing.oracles import teacher_forced  # noqa: E402
-from unsloth_rollout.testing.server import serve_subprocess  # noqa: E402
-from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
+from unsloth_rollout.testing.fixtures import policy_fixture, server_fixture  # noqa: E402
+from unsloth_rollout.testing.server import openai_client  # noqa: E402
+from unsloth_rollout.testing.toy import png_data_url, seeded_image  # noqa: E402
 
 NAME = "tiny-vlm"
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model_path("qwen2_5_vl", "tiny"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm_conformance") / "server.log"
-    with serve_subprocess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                          "--served-model-name", NAME, "--logprobs-mode", "processed_logprobs",
-                          "--generation-config", "vllm", log_path=log) as base:
-        yield base
+server = server_fixture("--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", "--served-model-name", NAME,
+                        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", model="qwen2_5_vl_dir")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
-@pytest.fixture(scope="module")
-def policy(model_dir):
-    return load_model(model_dir, backend="transformers")
+policy = policy_fixture(model="qwen2_5_vl_dir")
 
 
 def _post(server, path, body, status=200):
@@ -58,13 +46,7 @@ def _post(server, path, body, status=200):
 
 
 def _png_url(seed=3) -> str:
-    import numpy as np
-    from PIL import Image
-
-    img = Image.fromarray(np.random.default_rng(seed).integers(0, 255, (56, 56, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return png_data_url(seeded_image(seed, (56, 56)))
 
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 
 PROMPTS = ["Alice counts", "Bob and Carol went to the market", "12 + 7 =", "the lazy dog sleeps while", "think"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RequestRejected, RolloutEngine, SamplingParams
+from unsloth_rollout.testing.waits import wait_for
 
 PROMPTS = ["Alice counts", "Bob and Carol went to the market", "12 + 7 =", "the lazy dog sleeps while",
            "Grace reads a long book about", "think", "answer: 42", "Oscar paints the blue house"]
@@ -26,13 +27,6 @@ def greedy_ref(policy, ids, max_new):
 def reqs(policy, max_new, **sp):
     return [GenerationRequest(input_ids=policy.tokenizer.encode(p),
                               sampling=SamplingParams(max_new_tokens=max_new, temperature=0, **sp)) for p in PROMPTS]
-
-
-def wait_for(cond, timeout=60):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.001)
 
 
 @pytest.fixture

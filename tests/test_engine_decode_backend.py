@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.core import EngineCore
 from unsloth_rollout.engine.decode_backend import DecodeWorkspace
@@ -18,6 +18,7 @@ from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
+from unsloth_rollout.testing.drive import add_sequences, step_until_idle
 
 
 def _rows_equal_pool(ws: DecodeWorkspace, cache: KVCache, tables: dict) -> None:
@@ -72,18 +73,8 @@ def _core(policy, backend: str, kv_tokens: int | None = None, **kw) -> EngineCor
 
 
 def _run(core: EngineCore, prompts: list[list[int]], max_new: list[int], temperature: float, n: int = 1):
-    seqs = []
-    for i, ids in enumerate(prompts):
-        sp = SamplingParams(max_new_tokens=max_new[i], temperature=temperature, seed=i, n=n, ignore_eos=True)
-        prompt = PreparedPrompt(ids)
-        seqs += [Sequence(f"r{i}", j, prompt, sp) for j in range(n)]
-    for s in seqs:
-        core.add(s)
-    steps = 0
-    while core.scheduler.has_work():
-        core.step()
-        steps += 1
-        assert steps < 2000
+    seqs = add_sequences(core, prompts, max_new, n=n, seed_by_prompt=True, temperature=temperature)
+    step_until_idle(core, max_steps=2000)
     return seqs
 
 
@@ -171,7 +162,7 @@ def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
     """Distinct prompts of different lengths (images of different sizes, M-RoPE rows; Gemma 3's bidirectional
     image blocks) prefilled in one packed forward give the logits, rope deltas and cached keys/values of
     prefilling each alone."""
-    from conftest import random_images
+    from unsloth_rollout.testing.toy import random_images
     from unsloth_rollout import GenerationRequest
     from unsloth_rollout.testing.vlm_families import vlm_family_path
 

@@ -16,6 +16,7 @@ from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.testing.oracles import teacher_forced
+from unsloth_rollout.testing.drive import add_sequences, step_until_idle
 
 LONG, SHORT, N_SHORT = 600, 10, 31
 
@@ -42,17 +43,12 @@ def test_one_long_row_beside_many_short_stays_inside_the_budget(qwen2_dir, budge
     assert ws.budget_bytes == (core.kv.memory_bytes if budget is None else ws_bytes)
     # Rows x longest row, as an unbounded workspace pads them: many times the pool.
     assert (1 + N_SHORT) * (LONG + max_new[0]) * per_token > 4 * core.kv.memory_bytes
-    seqs = [Sequence(f"r{i}", 0, PreparedPrompt(ids), SamplingParams(max_new_tokens=m, temperature=0,
-                                                                        ignore_eos=True))
-            for i, (ids, m) in enumerate(zip(prompts, max_new))]
-    for s in seqs:
-        core.add(s)
-    steps = 0
-    while core.scheduler.has_work():
-        core.step()
-        steps += 1
+    seqs = add_sequences(core, prompts, max_new, temperature=0)
+
+    def within_budget():
         assert ws.memory_bytes <= ws.budget_bytes
-        assert steps < 500
+
+    step_until_idle(core, max_steps=500, after_step=within_budget)
     assert ws.peak_bytes <= ws.budget_bytes
     assert ws.fallbacks > 0, "the long row's steps were meant to exceed the budget"
     assert ws.fills > 0, "once the long row finished, the short rows fit the workspace"

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from conftest import random_images
+from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from unsloth_rollout import load_model
 

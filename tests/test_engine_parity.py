@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import perturb_lora, random_images, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 
 WORDS = "the quick brown fox jumps over a lazy dog while Alice and Bob count 12 + 7 = 19 apples".split()

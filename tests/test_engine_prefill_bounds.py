@@ -9,11 +9,10 @@ import torch
 
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.core import EngineCore
-from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims
-from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.testing.oracles import teacher_forced
+from unsloth_rollout.testing.drive import add_sequences, step_until_idle
 
 CHUNK = 16
 
@@ -47,20 +46,11 @@ def _core(policy, kv_tokens: int | None = None, **kw) -> EngineCore:
 
 
 def _add(core, prompts, max_new):
-    seqs = [Sequence(f"r{i}", 0, PreparedPrompt(ids), SamplingParams(max_new_tokens=m, temperature=0,
-                                                                       ignore_eos=True))
-            for i, (ids, m) in enumerate(zip(prompts, max_new))]
-    for s in seqs:
-        core.add(s)
-    return seqs
+    return add_sequences(core, prompts, max_new, temperature=0)
 
 
 def _drain(core):
-    steps = 0
-    while core.scheduler.has_work():
-        core.step()
-        steps += 1
-        assert steps < 3000
+    step_until_idle(core, max_steps=3000)
 
 
 def _assert_hf(policy, seqs, logprobs: bool = False):

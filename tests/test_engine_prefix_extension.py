@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_images, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.testing.families import family_model_path

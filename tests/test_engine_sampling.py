@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from unsloth_rollout import load_model
 from unsloth_rollout.engine.inputs import PreparedPrompt

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from conftest import perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
 from unsloth_rollout import (EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams,
                              load_model)
 

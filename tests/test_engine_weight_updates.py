@@ -16,8 +16,9 @@ import time
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.testing.waits import wait_for
 
 SHARED = "Alice and Bob count the red apples in the"  # the prompt of the two sampled groups (prefix cache)
 GREEDY = "the lazy dog sleeps while"
@@ -28,13 +29,6 @@ TOL = 1e-5
 @pytest.fixture
 def policy(qwen2_lora_policy):
     return qwen2_lora_policy
-
-
-def wait_for(cond, timeout=60):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.001)
 
 
 def lora_state(policy) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
 from test_engine_parity import hf_greedy, make_requests
 from unsloth_rollout import EngineConfig, RolloutEngine, SamplingParams, load_model
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import random_images
+from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import load_model
 from unsloth_rollout.models import BackendUnavailableError
 from unsloth_rollout.testing.tiny import build_tiny_model

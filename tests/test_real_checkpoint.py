@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.testing.real import CheckpointDownloadError, real_checkpoint_path
 

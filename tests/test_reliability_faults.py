@@ -24,10 +24,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 
-import torch  # noqa: E402
 from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_event,  # noqa: E402
                                   check_kv_returned, data_url, metrics, png_bytes, wait_idle, write_figures)
 
+from unsloth_rollout.testing.adapters import save_peft_adapter  # noqa: E402
 from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
@@ -93,19 +93,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapter(model_dir, workdir):
     """A saved PEFT adapter of the tiny model with non-zero B (its outputs differ from the base)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    path = workdir / "adapter"
-    model.save_pretrained(path)
-    return str(path), model.eval()
+    return save_peft_adapter(model_dir, workdir / "adapter")
 
 
 @pytest.fixture(scope="module")

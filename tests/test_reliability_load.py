@@ -23,7 +23,6 @@ from _reliability_helpers import (MiB, GreedyOracle, ServerProcess, add_stream_e
                                   check_kv_returned, data_url, errors_by_status, metrics, percentile, png_bytes,
                                   write_figures)
 
-from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 NAME = "tiny-vlm"
 CLIENTS = 256
@@ -39,13 +38,8 @@ RSS_MARGIN_REL = 0.08
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model_path("qwen2_5_vl", "tiny"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with ServerProcess(model_dir, tmp_path_factory.mktemp("load"), "--served-model-name", NAME,
+def server(qwen2_5_vl_dir, tmp_path_factory):
+    with ServerProcess(qwen2_5_vl_dir, tmp_path_factory.mktemp("load"), "--served-model-name", NAME,
                        "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "256") as srv:
         yield srv
 
@@ -141,7 +135,7 @@ async def _rounds(server: ServerProcess, rounds: int) -> tuple[list[list[dict]],
 
 
 @pytest.mark.parametrize("rounds", [pytest.param(6, id="ci"), pytest.param(32, marks=pytest.mark.slow, id="full")])
-def test_256_concurrent_clients_lose_nothing(server, model_dir, rounds, request):
+def test_256_concurrent_clients_lose_nothing(server, qwen2_5_vl_dir, rounds, request):
     before = metrics(server.base)
     rss_start = server.rss()
     t0 = time.perf_counter()
@@ -157,7 +151,7 @@ def test_256_concurrent_clients_lose_nothing(server, model_dir, rounds, request)
     four_xx = [x for x in flat if x["status"] and 400 <= x["status"] < 500]
 
     # Oracle: each distinct greedy (prompt, output) of a text request is what a teacher-forced forward picks.
-    oracle = GreedyOracle(model_dir)
+    oracle = GreedyOracle(qwen2_5_vl_dir)
     seen = set()
     for x in flat:
         if x["status"] == 200 and not x.get("lost") and not x["image"]:

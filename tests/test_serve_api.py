@@ -1,5 +1,5 @@
 """The real server (``python -m unsloth_rollout.serve``) in a subprocess, driven by the official ``openai``
-client, raw HTTP, AReaL's own ``RemotevLLMEngine`` and TRL's request shapes.
+client, raw HTTP and TRL's request shapes (AReaL's remote engine against it: test_serve_areal.py).
 
 Oracles: an in-process RolloutEngine on the same model folder (token ids equal, logprobs close), the
 Hugging Face tokenizer's chat template (prompt tokens), and a teacher-forced PEFT forward (LoRA outputs).
@@ -7,14 +7,8 @@ One server and one in-process engine per module: the model loads once each.
 """
 
 import base64
-import io
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
@@ -24,18 +18,19 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
-from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model  # noqa: E402
+from unsloth_rollout import GenerationRequest, SamplingParams  # noqa: E402
+from unsloth_rollout.testing.adapters import save_peft_adapter  # noqa: E402
+from unsloth_rollout.testing.fixtures import engine_fixture, policy_fixture  # noqa: E402
+from unsloth_rollout.testing.oracles import hf_logprobs  # noqa: E402
+from unsloth_rollout.testing.server import metrics, openai_client, serve_subprocess  # noqa: E402
 from unsloth_rollout.testing.tiny import build_tiny_model  # noqa: E402
+from unsloth_rollout.testing.toy import png_data_url, seeded_image  # noqa: E402
+from unsloth_rollout.testing.waits import wait_for  # noqa: E402
 
 MAX_MODEL_LEN = 512
 NAME = "tiny-vlm"
 LP_TOL = 2e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+IMAGE_SIZE = (84, 56)  # (width, height) of the test images
 
 
 @pytest.fixture(scope="module")
@@ -52,93 +47,31 @@ def model_dir(workdir):
 def media_dir(workdir):
     d = workdir / "media"
     d.mkdir()
-    _png(7).save(d / "cat.png")
+    seeded_image(7, IMAGE_SIZE).save(d / "cat.png")
     return d
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, media_dir, workdir):
-    port = _free_port()
-    log = open(workdir / "server.log", "w")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "unsloth_rollout.serve", model_dir, "--port", str(port), "--model-backend", "transformers",
-         "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME, "--max-images-per-request", "2",
-         "--max-n", "8", "--max-image-pixels", "10000", "--allowed-local-media-path", str(media_dir),
-         "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning", "--enable-runtime-lora"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not start:\n" + (workdir / "server.log").read_text()[-4000:])
-        time.sleep(0.3)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with serve_subprocess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME,
+                          "--max-images-per-request", "2", "--max-n", "8", "--max-image-pixels", "10000",
+                          "--allowed-local-media-path", str(media_dir), "--kv-cache-memory-bytes", "64MiB",
+                          "--enable-runtime-lora", log_path=workdir / "server.log") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
-@pytest.fixture(scope="module")
-def policy(model_dir):
-    return load_model(model_dir, backend="transformers")
-
-
-@pytest.fixture(scope="module")
-def engine(policy):
-    eng = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, max_model_len=MAX_MODEL_LEN))
-    yield eng
-    eng.shutdown()
-
-
-def _png(seed: int, size=(84, 56)):
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-
-
-def _data_url(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+policy = policy_fixture()
+engine = engine_fixture(MAX_MODEL_LEN)
 
 
 def _one(engine, **kw) -> list:
     sampling = kw.pop("sampling")
     return engine.generate([GenerationRequest(sampling=SamplingParams(**sampling), **kw)])
-
-
-def _metrics(server) -> dict:
-    out = {}
-    for line in httpx.get(server + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key.split("{")[0] if "finished_reason" not in key and "status" not in key else key] = float(value)
-    return out
-
-
-def _wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.time() + timeout
-    while not cond():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 # ====================================================================== discovery
@@ -164,7 +97,7 @@ def test_tokenize_detokenize(server, policy):
 
 # ====================================================================== chat
 def test_chat_with_image_matches_engine(client, engine):
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(1))}},
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seeded_image(1, IMAGE_SIZE))}},
                                              {"type": "text", "text": "What is in the picture?"}]}]
     resp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
                                           extra_body={"return_token_ids": True})
@@ -360,47 +293,14 @@ def test_pause_keep_holds_requests_until_resume(server):
                                                                  timeout=60).json()))
     t.start()
     try:
-        _wait_for(lambda: _metrics(server)["vllm:num_requests_waiting"] == 1, what="the request to queue")
+        wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 1, timeout=30.0, what="the request to queue",
+                 poll_s=0.02)
         assert not result
     finally:
         httpx.post(server + "/resume")
     t.join(60)
     assert result["choices"][0]["finish_reason"] == "length"
     assert len(result["choices"][0]["text"]) > 0
-
-
-def test_areal_pause_aborts_in_flight_with_partial_output(server):
-    """/areal_pause_generation: running requests return their partial output with finish_reason "abort"."""
-    body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
-    queued = {}
-    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-        lines = r.iter_lines()
-        events = []
-        for line in lines:  # the first token: the request is running
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-                break
-        httpx.post(server + "/pause", params={"mode": "keep"})  # freeze it mid-generation
-        # A request that arrives now waits in the queue (no tokens yet).
-        t = threading.Thread(target=lambda: queued.update(httpx.post(server + "/v1/completions", json=body,
-                                                                     timeout=120).json()))
-        t.start()
-        _wait_for(lambda: _metrics(server)["vllm:num_requests_waiting"] == 1, what="the second request to queue")
-        r2 = httpx.post(server + "/areal_pause_generation", timeout=60)
-        assert r2.status_code == 200 and r2.json()["success"] is True
-        events += [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-    t.join(60)
-    tokens = sum((e["choices"][0]["token_ids"] for e in events), [])
-    assert events[-1]["choices"][0]["finish_reason"] == "abort"
-    assert 0 < len(tokens) < 400
-    # The queued one: an empty abort, which AReaL's VLLMBackend reads as "resubmit".
-    choice = queued["choices"][0]
-    assert choice["finish_reason"] == "abort" and choice["token_ids"] == []
-    assert choice["logprobs"]["tokens"] == []
-    assert httpx.get(server + "/is_paused").json()["is_paused"] is True
-    assert httpx.post(server + "/areal_continue_generation").json()["success"] is True
-    assert httpx.get(server + "/is_paused").json()["is_paused"] is False
 
 
 def test_pause_wait_lets_in_flight_requests_finish(server):
@@ -428,23 +328,23 @@ def test_pause_wait_lets_in_flight_requests_finish(server):
 def test_weight_version(server):
     assert httpx.post(server + "/update_weight_version", json={"version": 5}).json()["weight_version"] == 5
     assert httpx.get(server + "/weight_info").json()["weight_version"] == 5
-    assert _metrics(server)["unsloth_rollout_engine_version"] == 5
+    assert metrics(server)["unsloth_rollout_engine_version"] == 5
     httpx.post(server + "/update_weight_version", json={"version": 0})
     assert httpx.get(server + "/weight_info").json()["weight_version"] == 0
 
 
 def test_metrics_count_tokens(server):
-    before = _metrics(server)
+    before = metrics(server)
     httpx.post(server + "/v1/completions", json={"prompt": [9, 8, 7], "max_tokens": 3, "temperature": 0,
                                                  "ignore_eos": True}, timeout=60)
-    after = _metrics(server)
+    after = metrics(server)
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 3
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 3
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
 
 
 def test_client_disconnect_aborts_and_frees(server):
-    before = _metrics(server)["unsloth_rollout_engine_aborted_total"]
+    before = metrics(server)["unsloth_rollout_engine_aborted_total"]
     body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "stream": True}
     try:
         # Streaming: read the first token, freeze the engine (the request stays in flight), hang up.
@@ -456,35 +356,17 @@ def test_client_disconnect_aborts_and_frees(server):
         # Non-streaming: the request waits (paused), the client times out and leaves.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
-        _wait_for(lambda: _metrics(server)["unsloth_rollout_engine_aborted_total"] >= before + 2,
-                  what="both requests to be aborted")
+        wait_for(lambda: metrics(server)["unsloth_rollout_engine_aborted_total"] >= before + 2, timeout=30.0,
+                 what="both requests to be aborted", poll_s=0.02)
     finally:
         httpx.post(server + "/resume")
-    m = _metrics(server)
+    m = metrics(server)
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
 # ====================================================================== LoRA adapters at runtime
-def _teacher_forced(model, ids: list[int], n_out: int) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits[len(ids) - n_out - 1:-1], dim=-1)
-
-
 def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, engine):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # a non-zero update: outputs change
-    path = workdir / "adapter"
-    peft_model.save_pretrained(path)
-    peft_model.eval()
+    path, peft_model = save_peft_adapter(model_dir, workdir / "adapter")
 
     prompt = [21, 34, 55, 89, 144]
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True,
@@ -503,7 +385,7 @@ def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, eng
     lora_ids = lora_out["choices"][0]["token_ids"]
     assert lora_ids != base_out["choices"][0]["token_ids"]
     # Oracle: a teacher-forced forward of the PEFT model; each token is its greedy choice and logprob.
-    lp = _teacher_forced(peft_model, prompt + lora_ids, len(lora_ids))
+    lp = hf_logprobs(peft_model, prompt + lora_ids, len(lora_ids))
     suppressed = engine.core.sampler.suppress_ids
     lp_masked = lp.clone()
     lp_masked[:, suppressed] = float("-inf")
@@ -519,38 +401,6 @@ def test_lora_adapter_load_select_unload(server, client, model_dir, workdir, eng
     again = httpx.post(server + "/v1/completions", json={**body, "model": NAME}, timeout=60).json()
     assert again["choices"][0]["token_ids"] == base_out["choices"][0]["token_ids"]
     assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}).status_code == 404
-
-
-def test_areal_full_weight_update_from_disk(server, model_dir, workdir):
-    """AReaL's /areal_update_weights: a saved checkpoint replaces the served weights; the original restores."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model.layers.1." in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    ckpt = workdir / "step-1"
-    model.save_pretrained(ckpt)
-
-    prompt = [13, 17, 19, 23]
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "return_token_ids": True}
-    before = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-    r = httpx.post(server + "/areal_update_weights", json={"model_path": str(ckpt)}, timeout=120)
-    assert r.status_code == 200 and r.json()["success"] is True, r.text
-    after = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-    assert after["token_ids"] != before["token_ids"]
-    lp = _teacher_forced(model, prompt + after["token_ids"], 8)  # oracle: the checkpoint's own forward
-    assert after["logprobs"]["token_logprobs"] == pytest.approx(
-        lp[torch.arange(8), after["token_ids"]].tolist(), abs=LP_TOL)
-
-    r = httpx.post(server + "/areal_update_weights", json={"model_path": str(workdir / "missing")}, timeout=60)
-    assert r.status_code == 400 and r.json()["success"] is False
-    assert httpx.post(server + "/areal_update_weights", json={"model_path": model_dir}, timeout=120).status_code == 200
-    restored = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-    assert restored["token_ids"] == before["token_ids"]
 
 
 # ====================================================================== bad input
@@ -582,10 +432,10 @@ BAD = {
                      "messages[0].content[0].image_url", "remote"),
     "local_outside_allowed": ("/v1/chat/completions", _chat_body(messages=_image_msg("file:///etc/hostname")), 400,
                               "messages[0].content[0].image_url", "outside"),
-    "too_many_images": ("/v1/chat/completions", _chat_body(messages=_image_msg(*[_data_url(_png(i))
+    "too_many_images": ("/v1/chat/completions", _chat_body(messages=_image_msg(*[png_data_url(seeded_image(i, IMAGE_SIZE))
                                                                                   for i in range(3)])),
                         400, "messages", "At most 2"),
-    "image_too_many_pixels": ("/v1/chat/completions", _chat_body(messages=_image_msg(_data_url(_png(5, (120, 100))))),
+    "image_too_many_pixels": ("/v1/chat/completions", _chat_body(messages=_image_msg(png_data_url(seeded_image(5, (120, 100))))),
                               400, "messages[0].content[0].image_url", "pixels"),
     "prompt_too_long": ("/v1/completions", {"prompt": list(range(1, MAX_MODEL_LEN + 10)), "max_tokens": 1}, 400,
                         "prompt", "maximum context length"),
@@ -621,74 +471,3 @@ def test_openai_client_raises_its_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
-
-
-# ====================================================================== AReaL's own remote engine
-def areal_reward(prompt, completion, prompt_ids, completion_ids, **kwargs):
-    """Module-level: AReaL runs reward functions in a process pool."""
-    return float(len(completion_ids))
-
-
-def test_areal_remote_vllm_engine_rollouts(server, engine, policy):
-    pytest.importorskip("areal")
-    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
-    from areal.engine.vllm_remote import RemotevLLMEngine
-    from areal.utils.data import concat_padded_tensors
-    from areal.workflow.rlvr import RLVRWorkflow
-
-    config = InferenceEngineConfig(backend="vllm:d1", max_concurrent_rollouts=4, consumer_batch_size=2,
-                                   max_head_offpolicyness=10 ** 9, setup_timeout=60, request_timeout=120,
-                                   request_retries=1)
-    remote = RemotevLLMEngine(config)
-    remote.initialize(addr=server.removeprefix("http://"))
-    tok = policy.tokenizer
-    data = [{"messages": [{"role": "user", "content": "Say hello."}]},
-            {"messages": [{"role": "user", "content": "Name a color."}]}]
-    try:
-        for greedy in (True, False):
-            gconfig = GenerationHyperparameters(max_new_tokens=8, greedy=greedy, temperature=1.0)
-            workflow = RLVRWorkflow(reward_fn=areal_reward, gconfig=gconfig, tokenizer=tok)
-            trajectories = remote.rollout_batch(data, workflow=workflow, group_size=2)
-            batch = concat_padded_tensors(trajectories)
-            assert batch["input_ids"].shape[0] == 4
-            for i in range(4):
-                mask = batch["attention_mask"][i].bool()
-                ids = batch["input_ids"][i][mask].tolist()
-                loss = batch["loss_mask"][i][mask].bool()
-                n_out = int(loss.sum())
-                prompt, out = ids[: len(ids) - n_out], ids[len(ids) - n_out:]
-                lps = batch["logprobs"][i][mask][loss].tolist()
-                assert batch["rewards"][i].item() == n_out
-                if greedy:  # the in-process engine gives the same tokens and logprobs
-                    (w,) = _one(engine, input_ids=prompt, sampling=dict(max_new_tokens=8, temperature=0))
-                    assert out == w.output_ids
-                    assert lps == pytest.approx(w.output_logprobs, abs=LP_TOL)
-                else:  # sampled: logprobs equal a teacher-forced forward of the same policy (T = 1)
-                    ref = _teacher_forced(policy.model, prompt + out, n_out)
-                    assert lps == pytest.approx(ref[torch.arange(n_out), out].tolist(), abs=LP_TOL)
-    finally:
-        remote.destroy()
-
-
-def test_areal_vlm_chat_payload_parses(server, engine):
-    """AReaL's VLM path: VLLMBackend builds /v1/chat/completions with image data, parses 'token_id:N'."""
-    pytest.importorskip("areal")
-    from areal.api import ModelRequest
-    from areal.api.cli_args import GenerationHyperparameters
-    from areal.engine.vllm_remote import VLLMBackend
-
-    b64 = _data_url(_png(3)).split(",", 1)[1]
-    messages = [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "What is it?"}]}]
-    req = ModelRequest(input_ids=[1], image_data=[b64], vision_msg_vllm=[messages],
-                       gconfig=GenerationHyperparameters(max_new_tokens=6, greedy=True))
-    backend = VLLMBackend()
-    http_req = backend.build_generation_request(req, with_lora=False, version=0)
-    assert http_req.endpoint == "/v1/chat/completions"
-    r = httpx.post(server + http_req.endpoint, json=http_req.payload, timeout=60)
-    assert r.status_code == 200, r.text
-    result = backend.parse_generation_response(r.json())
-    want_msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(3))}},
-                                              {"type": "text", "text": "What is it?"}]}]
-    (w,) = _one(engine, messages=want_msgs, sampling=dict(max_new_tokens=6, temperature=0))
-    assert result.output_tokens == w.output_ids
-    assert result.output_logprobs == pytest.approx(w.output_logprobs, abs=LP_TOL)

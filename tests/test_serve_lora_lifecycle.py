@@ -16,23 +16,17 @@ from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError
 from unsloth_rollout.models.adapters import AdapterNotFoundError
 from unsloth_rollout.testing.adapters import adapter_oracle, bad_adapters, lora_policy, save_adapter
 from unsloth_rollout.testing.oracles import teacher_forced
-from unsloth_rollout.testing.tiny import tiny_model_path
 
 PROMPTS = [[21, 34, 55, 89, 144], [3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377]]
 MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def text_path():
-    return str(tiny_model_path("qwen2", "tiny"))
-
-
-@pytest.fixture(scope="module")
-def adapters(text_path, tmp_path_factory):
+def adapters(qwen2_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
     # b with LoRA dropout: a served adapter must never sample its dropout.
-    a, b = save_adapter(text_path, d / "a", seed=1), save_adapter(text_path, d / "b", seed=2, lora_dropout=0.3)
-    return {"a": a, "b": b, "r16": save_adapter(text_path, d / "r16", seed=3, r=16), "bad": bad_adapters(a, d / "bad")}
+    a, b = save_adapter(qwen2_dir, d / "a", seed=1), save_adapter(qwen2_dir, d / "b", seed=2, lora_dropout=0.3)
+    return {"a": a, "b": b, "r16": save_adapter(qwen2_dir, d / "r16", seed=3, r=16), "bad": bad_adapters(a, d / "bad")}
 
 
 def run(engine, lora=None) -> list[tuple]:
@@ -70,8 +64,8 @@ def trainer_state(policy) -> tuple:
             [(n, m.training) for n, m in policy.model.named_modules()])
 
 
-def test_refused_loads_change_nothing(text_path, adapters):
-    policy = lora_policy(text_path, seed=0)
+def test_refused_loads_change_nothing(qwen2_dir, adapters):
+    policy = lora_policy(qwen2_dir, seed=0)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, max_lora_rank=8, max_loras=2))
     engine.load_lora_adapter("a", adapters["a"])
     before, before_a, state = run(engine), run(engine, "a"), trainer_state(policy)
@@ -93,10 +87,10 @@ def test_refused_loads_change_nothing(text_path, adapters):
         engine.load_lora_adapter("sql.v1", adapters["b"])
     assert set(engine.lora_adapters) == {"a", "default"} and len(policy.model.peft_config) == 3
     assert run(engine) == before and run(engine, "a") == before_a
-    assert_runs(adapter_oracle(text_path, adapters["b"]), run(engine, "default"))
+    assert_runs(adapter_oracle(qwen2_dir, adapters["b"]), run(engine, "default"))
     engine.unload_lora_adapter("default")
     engine.load_lora_adapter("sql.v1", adapters["b"])
-    assert_runs(adapter_oracle(text_path, adapters["b"]), run(engine, "sql.v1"))
+    assert_runs(adapter_oracle(qwen2_dir, adapters["b"]), run(engine, "sql.v1"))
     kept = dict(state[0])
     assert [(n, g) for n, g in trainer_state(policy)[0] if n in kept] == state[0]
     modes = dict(state[1])
@@ -105,10 +99,10 @@ def test_refused_loads_change_nothing(text_path, adapters):
     engine.shutdown()
 
 
-def test_trainer_state_survives_load_and_unload(text_path, adapters):
+def test_trainer_state_survives_load_and_unload(qwen2_dir, adapters):
     """Loading and unloading adapters beside a policy in training mode changes none of its requires_grad, its
     modes, or its forward."""
-    policy = lora_policy(text_path, seed=0)
+    policy = lora_policy(qwen2_dir, seed=0)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
     policy.training()
     ids = torch.tensor([PROMPTS[1]])
@@ -123,7 +117,7 @@ def test_trainer_state_survives_load_and_unload(text_path, adapters):
     with torch.no_grad():
         assert torch.equal(policy.model(input_ids=ids).logits, ref)
     policy.inference()
-    assert_runs(adapter_oracle(text_path, adapters["a"]), run(engine, "a"))
+    assert_runs(adapter_oracle(qwen2_dir, adapters["a"]), run(engine, "a"))
     policy.training()
     engine.unload_lora_adapter("a")
     assert trainer_state(policy) == state
@@ -132,17 +126,17 @@ def test_trainer_state_survives_load_and_unload(text_path, adapters):
     engine.shutdown()
 
 
-def test_unload_last_then_load_again_and_reload_in_place(text_path, adapters):
+def test_unload_last_then_load_again_and_reload_in_place(qwen2_dir, adapters):
     """A model with no adapter of its own (a server started without --lora): the first load wraps it in PEFT,
     unloading the last gives the plain model back, and both a later load and an in-place reload work."""
     from peft import PeftModel
 
-    plain = adapter_oracle(text_path)
-    policy = adapter_oracle(text_path)
+    plain = adapter_oracle(qwen2_dir)
+    policy = adapter_oracle(qwen2_dir)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
     base = run(engine)
     assert_runs(plain, base)
-    oracle_a, oracle_b = adapter_oracle(text_path, adapters["a"]), adapter_oracle(text_path, adapters["b"])
+    oracle_a, oracle_b = adapter_oracle(qwen2_dir, adapters["a"]), adapter_oracle(qwen2_dir, adapters["b"])
     for _ in range(2):
         engine.load_lora_adapter("a", adapters["a"])
         assert isinstance(policy.model, PeftModel) and policy.serving_wrapper
@@ -198,7 +192,7 @@ def _completion(base: str, model: str):
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def test_server_lifecycle_as_vllm(text_path, adapters, tmp_path):
+def test_server_lifecycle_as_vllm(qwen2_dir, adapters, tmp_path):
     """A server started with no adapter (as TRL's and AReaL's docs start vLLM): each bad adapter is refused with
     vLLM's status and the reason while the base model and a loaded adapter keep answering exactly as before;
     unload-last then load works, and an in-place reload of the lone adapter keeps it loaded with the new weights."""
@@ -208,13 +202,13 @@ def test_server_lifecycle_as_vllm(text_path, adapters, tmp_path):
     def post(path, **body):
         return httpx.post(srv.base + path, json=body, timeout=120)
 
-    with ServerProcess(text_path, tmp_path, "--served-model-name", "base", "--max-model-len", "256",
+    with ServerProcess(qwen2_dir, tmp_path, "--served-model-name", "base", "--max-model-len", "256",
                        "--kv-cache-memory-bytes", "8MiB", "--enable-runtime-lora", "--max-lora-rank", "8") as srv:
         base = _completion(srv.base, "base")
         assert post("/v1/load_lora_adapter", lora_name="a", lora_path=adapters["a"]).status_code == 200
         with_a = _completion(srv.base, "a")
         assert with_a[0] != base[0]
-        ref, logits = teacher_forced(adapter_oracle(text_path, adapters["a"]), PROMPTS[1], with_a[0])
+        ref, logits = teacher_forced(adapter_oracle(qwen2_dir, adapters["a"]), PROMPTS[1], with_a[0])
         assert logits.argmax(-1).tolist() == with_a[0] and (torch.tensor(with_a[1]) - ref).abs().max() <= 1e-4
         bad = dict(adapters["bad"], rank=(adapters["r16"], 400, "greater than max_lora_rank 8"))
         for kind, (path, status, phrase) in bad.items():
@@ -242,7 +236,7 @@ def test_server_lifecycle_as_vllm(text_path, adapters, tmp_path):
         assert srv.alive()
 
 
-def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, monkeypatch):
+def test_runtime_lora_routes_are_off_unless_switched_on(qwen2_dir, adapters, monkeypatch):
     """As vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: the routes answer 404 (saying how to switch them on);
     ``--enable-runtime-lora`` / the environment variable turn them on. Adapters given at start load either way."""
     pytest.importorskip("fastapi")
@@ -251,7 +245,7 @@ def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, mon
     from unsloth_rollout.serve import create_app
     from unsloth_rollout.serve.cli import add_serve_arguments, build_app
 
-    policy = adapter_oracle(text_path)
+    policy = adapter_oracle(qwen2_dir)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
     body = {"lora_name": "a", "lora_path": adapters["a"]}
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
@@ -272,7 +266,7 @@ def test_runtime_lora_routes_are_off_unless_switched_on(text_path, adapters, mon
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
-        [text_path, "--model-backend", "transformers", "--kv-cache-memory-bytes", "8MiB",
+        [qwen2_dir, "--model-backend", "transformers", "--kv-cache-memory-bytes", "8MiB",
          "--lora", f"a={adapters['a']}"])
     with TestClient(build_app(args)) as client:
         assert {m["id"] for m in client.get("/v1/models").json()["data"]} >= {"a"}
@@ -290,10 +284,10 @@ class _Bypass(torch.nn.Module):
         return self.inner.forward(x)
 
 
-def test_mixed_adapters_refused_where_a_kernel_bypasses_the_lora_layer(text_path, adapters):
+def test_mixed_adapters_refused_where_a_kernel_bypasses_the_lora_layer(qwen2_dir, adapters):
     """PEFT's mixed batch is applied in each LoRA layer's forward; a backend that reads the weights another way
     would run one adapter for every row. The step fails by name instead; one adapter per forward still works."""
-    policy = lora_policy(text_path, seed=0)
+    policy = lora_policy(qwen2_dir, seed=0)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
     engine.load_lora_adapter("a", adapters["a"])
     attn = next(m for n, m in policy.model.named_modules() if n.endswith("layers.0.self_attn"))
@@ -314,17 +308,17 @@ def test_mixed_adapters_refused_where_a_kernel_bypasses_the_lora_layer(text_path
     engine.shutdown()
 
 
-def test_served_adapter_beside_a_policy_with_modules_to_save(text_path, adapters):
+def test_served_adapter_beside_a_policy_with_modules_to_save(qwen2_dir, adapters):
     """The policy's own adapter trains a full copy of lm_head (modules_to_save): rows under a served adapter use the
     base lm_head, alone and mixed with the policy's rows in one decode step."""
-    policy = lora_policy(text_path, seed=0, modules_to_save=["lm_head"])
+    policy = lora_policy(qwen2_dir, seed=0, modules_to_save=["lm_head"])
     with torch.no_grad():
         for n, p in policy.model.named_parameters():
             if "modules_to_save" in n:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
     engine.load_lora_adapter("a", adapters["a"])
-    oracle_a = adapter_oracle(text_path, adapters["a"])
+    oracle_a = adapter_oracle(qwen2_dir, adapters["a"])
     assert_runs(oracle_a, run(engine, "a"))
     mixed = run_mixed(engine, ["a", None])
     assert_runs(oracle_a, mixed["a"])

@@ -20,10 +20,11 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from conftest import teacher_forced_logprobs  # noqa: E402
+from unsloth_rollout.testing.oracles import teacher_forced_logprobs  # noqa: E402
 from unsloth_rollout import EngineConfig, InvalidRequestError, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.trl import rollout_func, sampling_params_from_trainer  # noqa: E402
-from unsloth_rollout.trl.toy import grpo_config, run_toy_grpo, toy_dataset, toy_reward  # noqa: E402
+from unsloth_rollout.testing.trl_toy import grpo_config, toy_dataset, toy_reward  # noqa: E402
+from unsloth_rollout.trl.toy import run_toy_grpo  # noqa: E402
 
 TOL = 1e-5
 # After updates (lr 3e-2 on a tiny model) logits sharpen and an unlikely token's logprob (|lp| ~ 15) carries fp32
@@ -203,7 +204,7 @@ def test_unsloth_first_text_model(qwen2_dir, tmp_path):
         from trl import GRPOTrainer
         from unsloth_rollout import load_model, RolloutEngine, EngineConfig
         from unsloth_rollout.trl import rollout_func
-        from unsloth_rollout.trl.toy import toy_dataset, toy_reward, grpo_config
+        from unsloth_rollout.testing.trl_toy import toy_dataset, toy_reward, grpo_config
         p = load_model({qwen2_dir!r}, backend="unsloth", lora={{"r": 8, "random_state": 0}})
         assert p.backend == "unsloth", p.backend
         eng = RolloutEngine(p, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)

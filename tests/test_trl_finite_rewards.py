@@ -5,7 +5,6 @@ function", dropped in TRL's nansum over functions)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -16,30 +15,11 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
+from unsloth_rollout import EngineConfig, RolloutEngine, load_model, rewards  # noqa: E402
 from unsloth_rollout.trl import rollout_func  # noqa: E402
 from unsloth_rollout.trl.rollout import finite_reward_func  # noqa: E402
-from unsloth_rollout.trl.toy import grpo_config, toy_dataset  # noqa: E402
-
-
-@contextlib.contextmanager
-def _warnings():
-    """Warnings on the module's own logger object (AReaL's getLogger, once imported, rebuilds the stdlib's logger
-    tree, so caplog's ``getLogger(name)`` may return another object)."""
-    from unsloth_rollout.rewards import logger
-
-    seen: list[str] = []
-
-    class _H(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    h = _H(level=logging.WARNING)
-    logger.addHandler(h)
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(h)
+from unsloth_rollout.testing.logs import captured  # noqa: E402
+from unsloth_rollout.testing.trl_toy import grpo_config, toy_dataset  # noqa: E402
 
 
 def test_wrapped_reward_functions_replace_only_infinities():
@@ -49,7 +29,7 @@ def test_wrapped_reward_functions_replace_only_infinities():
     async def async_fn(completions, **kw):
         return [float("inf"), 2.0]
 
-    with _warnings() as seen:
+    with captured(rewards.logger, logging.WARNING) as seen:
         out = finite_reward_func(sync_fn)(completions=[])
         out_async = asyncio.run(finite_reward_func(async_fn)(completions=[]))
     assert out[:3] == [1.0, 0.0, None] and math.isnan(out[3]) and out[4] == 0.0
@@ -70,7 +50,7 @@ def test_grpo_step_with_an_infinite_reward_stays_finite(qwen2_dir, tmp_path):
         tr = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=inf_reward,
                          args=grpo_config(str(tmp_path), 1, num_generations=2, prompts_per_step=2),
                          train_dataset=toy_dataset(2, None), rollout_func=rollout_func(engine))
-        with _warnings() as seen:
+        with captured(rewards.logger, logging.WARNING) as seen:
             tr.train()
     finally:
         engine.shutdown()

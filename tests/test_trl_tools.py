@@ -22,7 +22,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.testing.oracles import teacher_forced  # noqa: E402
 from unsloth_rollout.trl import rollout_func  # noqa: E402
-from unsloth_rollout.trl.toy import grpo_config, toy_dataset, toy_reward  # noqa: E402
+from unsloth_rollout.testing.trl_toy import grpo_config, toy_dataset, toy_reward  # noqa: E402
 
 TOL = 1e-5
 LATER_TOL = 1e-4  # after updates (lr 3e-2) an unlikely token's fp32 logprob carries ~1e-5 noise in both forwards

@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import perturb_lora, random_images, run_staggered, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.testing.drive import run_staggered
+from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims

@@ -6,33 +6,13 @@ Signature, as RLVRWorkflow / VisionRLVRWorkflow call them:
 Example::
 
     workflow_kwargs = dict(reward_fn="unsloth_rollout.areal.rewards.geometry3k_reward", ...)
+
+The toy task's reward (``target_token_fraction``) is a test fixture: ``unsloth_rollout.testing.toy``.
 """
 
 from __future__ import annotations
 
 import re
-
-# The toy task's target tokens: a contiguous block of ordinary BPE ids (about a tenth of the tiny
-# models' vocabulary, no special or vision tokens), so a random policy starts near 0.1.
-TOY_TARGET_IDS = frozenset(range(100, 176))
-
-
-def target_token_fraction(prompt=None, completions=None, prompt_ids=None, completion_ids=None, **data) -> float:
-    """Toy reward: the fraction of completion tokens in ``TOY_TARGET_IDS`` (a trailing EOS is not counted).
-
-    Example::
-
-        >>> target_token_fraction(completion_ids=[100, 5, 101, 7])
-        0.5
-    """
-    ids = list(completion_ids or [])
-    stop = data.get("stop_ids") or ()
-    while ids and ids[-1] in stop:
-        ids.pop()
-    if not ids:
-        return 0.0
-    return sum(1 for t in ids if t in TOY_TARGET_IDS) / len(ids)
-
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 

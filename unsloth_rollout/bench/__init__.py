@@ -12,7 +12,8 @@ Example::
 """
 
 from .backends import BACKENDS
-from .harness import MODELS, run_bench
+from ..testing.toy import MODELS
+from .harness import run_bench
 from .report import markdown, plot
 from .workloads import WORKLOADS, build_workload
 

@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from .backends import BACKENDS
-from .harness import MODELS
+from ..testing.toy import MODELS
 from .long import LONG_DEFAULTS
 from .overhead import OVERHEAD_DEFAULTS
 from .workloads import SHAPES, WORKLOADS

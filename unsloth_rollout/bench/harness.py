@@ -24,28 +24,10 @@ import torch
 from ..logs import get_logger
 from .backends import BACKENDS, BenchContext, spread
 from ..testing.oracles import perturb_lora, teacher_forced
+from ..testing.toy import model_path
 from .workloads import Workload, build_workload, image_inputs
 
 logger = get_logger("unsloth_rollout.bench")
-
-MODELS = {
-    "small-vlm": ("qwen2_5_vl", "small"),
-    "tiny-vlm": ("qwen2_5_vl", "tiny"),
-    "small-lm": ("qwen2", "small"),
-    "tiny-lm": ("qwen2", "tiny"),
-}
-
-
-def model_path(name: str) -> str:
-    """A model folder for ``name``: one of MODELS (built offline on first use) or a path."""
-    if name in MODELS:
-        from ..testing.tiny import tiny_model_path
-
-        return str(tiny_model_path(*MODELS[name]))
-    if not os.path.isdir(name):
-        raise ValueError(f"--model must be one of {', '.join(MODELS)} or a model folder; {name!r} is neither")
-    return name
-
 
 # ============================================================================ measurements
 class PeakMemory:

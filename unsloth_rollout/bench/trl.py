@@ -72,7 +72,7 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     from ..engine import EngineConfig, RolloutEngine
     from ..models import load_model
     from ..trl import rollout_func
-    from ..trl.toy import grpo_config
+    from ..testing.trl_toy import grpo_config
     from ..testing.oracles import perturb_lora
     from .harness import cpu_pressure, machine_info, model_path
 

@@ -49,6 +49,23 @@ def save_adapter(path: str, out, seed: int = 1, r: int = 4, std: float = 0.3, **
     return str(out)
 
 
+def save_peft_adapter(model_dir: str, out, seed: int = 0, std: float = 0.5):
+    """A PEFT LoRA (r=4 on q/v/o) of the HF model in ``model_dir`` with seeded random B (its outputs differ from the
+    base's), saved to ``out``; returns ``(str(out), the PEFT model in eval mode)`` (the oracle's own forward)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)  # a non-zero update: outputs change
+    model.save_pretrained(out)
+    return str(out), model.eval()
+
+
 def adapter_oracle(path: str, adapter: str | None = None):
     """A PolicyModel of fresh weights from ``path`` running only ``adapter`` (None: the plain model)."""
     from ..models import load_model

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
+
+def figures_root() -> pathlib.Path:
+    """Where tests write measured figures: $UNSLOTH_ROLLOUT_FIGURES, else the ignored .figures/ folder.
+    ``scripts/record_figures.sh`` points it at benchmarks/ to refresh the recorded ones."""
+    root = pathlib.Path(__file__).resolve().parents[2]  # the repository (unsloth_rollout/testing/figures.py)
+    return pathlib.Path(os.environ.get("UNSLOTH_ROLLOUT_FIGURES") or root / ".figures")
+
 
 def plot_reward_curve(rewards: list[float], path, title: str) -> None:
     """Mean reward per GRPO step as a PNG; silently skipped without matplotlib."""

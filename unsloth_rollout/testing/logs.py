@@ -26,7 +26,7 @@ def captured(logger, level: int = logging.WARNING):
 
     handler = _Handler(level)
     old_level = logger.level
-    if logger.getEffectiveLevel() > level:
+    if logging.NOTSET < level < logger.getEffectiveLevel():
         logger.setLevel(level)
     logger.addHandler(handler)
     try:

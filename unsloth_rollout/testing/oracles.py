@@ -11,7 +11,7 @@ import torch
 
 from ..engine.inputs import mm_token_type_ids
 
-__all__ = ["mm_token_type_ids", "perturb_lora", "teacher_forced"]
+__all__ = ["hf_logprobs", "mm_token_type_ids", "perturb_lora", "teacher_forced", "teacher_forced_logprobs"]
 
 
 def perturb_lora(model, std: float = 0.5, seed: int = 0) -> int:
@@ -65,3 +65,22 @@ def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **v
     logits = logits[0, n - 1:-1].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp.gather(1, ids[0, n:].unsqueeze(1)).squeeze(1).cpu(), logits.cpu()
+
+
+def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pixel_values=None, image_grid_thw=None,
+                            mm=None):
+    """log_softmax(logits / T) of each output token from one full forward over prompt + output (the oracle),
+    and the logits; see ``teacher_forced``. ``mm``: any other family's processor outputs for the
+    prompt (pixel_values, image_sizes, token_type_ids ...)."""
+    vision = {k: v for k, v in (mm or {}).items() if k not in ("input_ids", "attention_mask")}
+    if pixel_values is not None:
+        vision.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+    return teacher_forced(policy, prompt_ids, output_ids, temperature, **vision)
+
+
+def hf_logprobs(model, ids: list[int], n_out: int) -> torch.Tensor:
+    """``[n_out, V]`` ``log_softmax`` of a plain HF (or PEFT) model's logits at the positions that predict the last
+    ``n_out`` of ``ids``: the forward of a checkpoint or adapter that is not a PolicyModel (T = 1)."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[len(ids) - n_out - 1:-1], dim=-1)

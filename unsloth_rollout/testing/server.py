@@ -4,6 +4,7 @@ Example::
 
     with serve_subprocess(model_dir, "--max-model-len", "256", log_path=tmp / "server.log") as base:
         httpx.get(base + "/health")
+        openai_client(base).models.list()
 """
 
 from __future__ import annotations
@@ -53,6 +54,26 @@ def serve_subprocess(model_dir: str, *args: str, log_path, timeout_s: float = 18
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def openai_client(base: str, timeout: float = 120):
+    """The official ``openai`` client on a server's ``/v1`` (no retries: a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def metrics(base: str, client=None) -> dict:
+    """/metrics as {name: value} (labels dropped, except finished_reason / status kept in the key)."""
+    import httpx
+
+    text = (client or httpx).get(base + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key.split("{")[0] if "finished_reason" not in key and "status" not in key else key] = float(value)
+    return out
 
 
 def completion_length_reward(completions=None, **kwargs) -> list[float]:

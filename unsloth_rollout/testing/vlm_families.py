@@ -3,7 +3,7 @@
 Each is a 3-layer GQA decoder (the same tiny dimensions as ``unsloth_rollout.testing.families``) behind a
 2-layer vision tower at a 42-28 px image size, with the family's own processor object built directly
 from its PIL ("slow") image processor, so nothing needs torchvision. All share the offline BPE
-tokenizer of ``unsloth_rollout.models.tiny`` plus the family's image tokens, and a small chat template
+tokenizer of ``unsloth_rollout.testing.tiny`` plus the family's image tokens, and a small chat template
 that renders every ``{"type": "image"}`` part as the family's placeholder, which the processor expands.
 
 Family features switched on at sizes a short prompt reaches:

@@ -1,6 +1,6 @@
 """A toy GRPO run with TRL's real GRPOTrainer generating through the engine (tests and the committed curve).
 
-The task: AReaL's toy reward (``unsloth_rollout.areal.rewards.target_token_fraction``, the fraction of
+The task: the toy reward (``unsloth_rollout.testing.toy.target_token_fraction``, the fraction of
 completion tokens in a fixed block of ids, ~0.1 for a random policy) on chat prompts with an image each.
 
     python -m unsloth_rollout.trl.toy --steps 30 --out benchmarks/trl/grpo_reward_curve
@@ -20,54 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def toy_images(n: int, seed: int = 0) -> list:
-    """``n`` random RGB images of varied sizes (so prompts differ in length)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    sizes = [(64, 48), (40, 90), (56, 56), (30, 70), (84, 28)]
-    return [Image.fromarray(rng.integers(0, 255, (*sizes[i % len(sizes)], 3), dtype=np.uint8)) for i in range(n)]
-
-
-def toy_dataset(n: int = 8, image_column: str | None = "image", seed: int = 0):
-    """Chat prompts; with ``image_column`` ("image" or "images") one image per row in that column."""
-    from datasets import Dataset
-
-    cols: dict = {"prompt": [[{"role": "user", "content": f"Describe picture number {i}."}] for i in range(n)]}
-    if image_column == "image":
-        cols["image"] = toy_images(n, seed)
-    elif image_column == "images":
-        cols["images"] = [[im] for im in toy_images(n, seed)]
-    elif image_column is not None:
-        raise ValueError(f"image_column must be 'image', 'images' or None, got {image_column!r}")
-    return Dataset.from_dict(cols)
-
-
-def toy_reward(stop_ids):
-    """A TRL reward function over completion ids (the trailing stop token not counted)."""
-    from ..areal.rewards import target_token_fraction
-
-    stop = tuple(stop_ids)
-
-    def target_tokens(completions, completion_ids, **kwargs):
-        return [target_token_fraction(completion_ids=ids, stop_ids=stop) for ids in completion_ids]
-
-    return target_tokens
-
-
-def grpo_config(output_dir: str, steps: int, *, lr: float = 3e-2, num_generations: int = 8,
-                prompts_per_step: int = 4, max_completion_length: int = 8, seed: int = 0, **overrides):
-    from trl import GRPOConfig
-
-    kw = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, num_generations=num_generations,
-              per_device_train_batch_size=num_generations * prompts_per_step,
-              max_completion_length=max_completion_length,
-              max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-              gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no", seed=seed,
-              temperature=1.0, beta=0.0, dataloader_num_workers=0, disable_tqdm=True)
-    kw.update(overrides)
-    return GRPOConfig(**kw)
+from ..testing.trl_toy import grpo_config, toy_dataset, toy_reward
 
 
 def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = None, seed: int = 0,
@@ -79,7 +32,7 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     from trl import GRPOTrainer
 
     from .. import EngineConfig, RolloutEngine, load_model
-    from ..bench.harness import model_path
+    from ..testing.toy import model_path
     from . import rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -104,7 +57,7 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
         "command": f"python -m unsloth_rollout.trl.toy --model {model} --steps {steps} --seed {seed}",
         "model": f"{model}: random Qwen2.5-VL (unsloth_rollout.testing.tiny), LoRA r=8 incl. vision tower",
         "trainer": "trl 1.16 GRPOTrainer, rollout_func=unsloth_rollout.trl.rollout_func(engine), CPU fp32",
-        "reward": "fraction of completion tokens in unsloth_rollout.areal.rewards.TOY_TARGET_IDS",
+        "reward": "fraction of completion tokens in unsloth_rollout.testing.toy.TOY_TARGET_IDS",
         "settings": {"num_generations": 8, "prompts_per_step": 4, "max_completion_length": 8, "lr": lr},
         "steps": [int(h["step"]) for h in logs], "mean_reward": rewards,
         "sampling_logp_difference_max": [float(h.get("sampling/sampling_logp_difference/max", float("nan")))

@@ -23,7 +23,7 @@ LOGP_KEY = "sampling/sampling_logp_difference/max"
 
 def grpo_args(s: RunSettings, output_dir: str):
     """The GRPOConfig both TRL paths train with."""
-    from ...trl.toy import grpo_config
+    from ...testing.trl_toy import grpo_config
 
     return grpo_config(output_dir, s.steps, lr=s.lr, num_generations=s.group, prompts_per_step=s.prompts_per_step,
                        max_completion_length=s.max_new_tokens, seed=s.seed, temperature=s.temperature,
