@@ -86,6 +86,9 @@ def test_level_and_handlers_set_through_the_module_logger_are_the_real_loggers()
         log.debug("not shown")
     assert messages == ["probe 1"]
     assert log.name == "unsloth_rollout.test_logs_probe" and logging.getLogger(log.name) is log.logger
+    import pickle
+
+    assert pickle.loads(pickle.dumps(log)).logger is log.logger  # AReaL may hand loggers to other processes
     with pytest.raises(ValueError, match="name: project loggers live under 'unsloth_rollout'"):
         get_logger("somebody_else")
 

@@ -105,7 +105,7 @@ class ProjectLogger(logging.LoggerAdapter):
         return msg, kwargs
 
     def __getattr__(self, attr):  # addHandler, handlers, level, propagate, filters ...: the real logger's
-        if attr.startswith("__"):
+        if attr.startswith("__") or attr in ("_name", "extra"):  # not set yet (unpickling): no recursion
             raise AttributeError(attr)
         return getattr(self.logger, attr)
 
