@@ -9,15 +9,15 @@ samples finished. ``refuse`` fails everything when the model cannot be served. G
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError, ModelNotServableError, RequestRejected
+from ..logs import get_logger
 from .request import GenerationOutput, GenerationRequest
 from .sequence import Sequence
 
-logger = logging.getLogger("unsloth_rollout")
+logger = get_logger("unsloth_rollout")
 
 
 @dataclass
