@@ -152,7 +152,7 @@ def test_unpacked_layout_and_an_explicit_weight_version(server, client, model_di
 
     from transformers import AutoModelForCausalLM
 
-    from unsloth_rollout.serve.weight_wire import broadcast_one_by_one_producer
+    from unsloth_rollout.models.weight_wire import broadcast_one_by_one_producer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     params = dict(model.named_parameters())

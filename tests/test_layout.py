@@ -114,10 +114,7 @@ LAYERS = sorted({_layer(n) for n in _modules()} - {""})
 
 # Rules another part of issue 25 makes true, not this one: expected to fail until it lands (strict=False, so the
 # case passes as soon as it holds). Every rule the engine face and the weight owner met is never marked.
-PENDING = {
-    "areal": "issue 25, the AReaL door: areal/backend.py and areal/inference_engine.py import each other",
-    "models->front end": "issue 25, no alias modules: models/tiny.py re-exports testing/tiny",
-}
+PENDING: dict[str, str] = {}  # every rule holds now
 
 
 def _pending(case: str):
@@ -144,7 +141,6 @@ def test_the_models_layer_does_not_import_the_engine():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(reason=PENDING["models->front end"], strict=False)
 def test_the_models_layer_imports_no_front_end():
     bad = sorted(f"{n} imports {t}" for n, ts in _graph().items() if _layer(n) in ("models", "errors")
                  for t in ts if _layer(t) in FRONT_ENDS)

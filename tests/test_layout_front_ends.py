@@ -24,13 +24,8 @@ def test_front_ends_import_nothing_from_the_bench_or_each_other():
     assert _edges(graph, ("areal",), ("trl",)) == [] and _edges(graph, ("trl",), ("areal",)) == []
 
 
-# Known exception, to move below the front ends: the gloo weight-transfer wire (no server code in it) is shared by
-# the server's receiver and testing.trl_cpu's trainer-side shim.
-KNOWN = {("unsloth_rollout.testing.trl_cpu", "unsloth_rollout.serve.weight_wire")}
-
-
 def test_the_test_fixtures_sit_below_the_front_ends():
-    assert [e for e in _edges(import_graph(), ("testing",), FRONT_ENDS + ("bench",)) if e not in KNOWN] == []
+    assert [e for e in _edges(import_graph(), ("testing",), FRONT_ENDS + ("bench",))] == []
 
 
 def test_no_module_is_an_alias_of_another():

@@ -3,7 +3,7 @@
 TRL's ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` syncs full weights (PEFT models: the merged adapter)
 through vLLM's weight-transfer engine: ``/init_weight_transfer_engine`` (join the trainer's rendezvous),
 ``/start_weight_update``, ``/update_weights`` (receive the announced tensors by broadcast), and
-``/finish_weight_update``. Here the same routes and payloads run over a gloo group (``weight_wire.py``), enabled
+``/finish_weight_update``. Here the same routes and payloads run over a gloo group (``models/weight_wire.py``), enabled
 with ``--weight-transfer-config '{"backend": "gloo"}'``; ``/server_info`` then reports that config. vLLM's NCCL
 engine is not implemented: ``{"backend": "nccl"}`` is refused at start by name, and with no config every route
 answers 501 naming the alternatives. TRL's own trainer refuses a non-CUDA device before it gets here;
@@ -35,7 +35,7 @@ from fastapi import Request
 
 from ..engine import InvalidRequestError
 from .protocol import APIError
-from .weight_wire import (DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_TIMEOUT_S, GlooTransferGroup,
+from ..models.weight_wire import (DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_TIMEOUT_S, GlooTransferGroup,
                           broadcast_one_by_one_consumer, packed_broadcast_consumer)
 from .weights import base_weights
 

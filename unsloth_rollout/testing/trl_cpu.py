@@ -14,7 +14,7 @@ server's side of the wire:
 ``allow_grpo_server_mode_on_cpu()`` does the same for ``GRPOTrainer(use_vllm=True, vllm_mode="server")``, whose
 weight sync joins vLLM's NCCL weight-transfer engine: TRL's ``VLLMClient.init_communicator`` refuses a non-CUDA
 device and both the client and ``VLLMGeneration`` refuse to start without vLLM installed. It lifts those two
-install checks and replaces only the trainer's end of the wire with the gloo equivalent (``serve.weight_wire``,
+install checks and replaces only the trainer's end of the wire with the gloo equivalent (``models.weight_wire``,
 what a server started with ``--weight-transfer-config '{"backend": "gloo"}'`` receives): the rendezvous in
 ``init_communicator`` and the packed broadcast ``update_named_params`` calls. TRL still walks, names, merges
 (PEFT) and announces the weights, posts every route, and generates over HTTP unchanged.
@@ -96,7 +96,7 @@ def _gloo_init_communicator(self, device=0):
     """TRL 1.16's ``VLLMClient.init_communicator`` with gloo for NCCL: the same server_info check, init_info
     (trainer rank 0, workers from rank_offset 1, packed; plus ``backend: "gloo"``, which the server requires) and
     concurrent POST; the group is ``GlooTransferGroup``."""
-    from ..serve.weight_wire import GlooTransferGroup
+    from ..models.weight_wire import GlooTransferGroup
 
     if self.get_server_info()["weight_transfer_config"] is None:
         raise RuntimeError(f"The vLLM server at {self.base_url} has no weight-transfer engine. Restart it with "
@@ -126,7 +126,7 @@ def allow_grpo_server_mode_on_cpu():
     import trl.generation.vllm_client as client_mod
     import trl.generation.vllm_generation as generation_mod
 
-    from ..serve.weight_wire import packed_broadcast_producer
+    from ..models.weight_wire import packed_broadcast_producer
 
     missing = object()
     saved = [(client_mod, "is_vllm_available", client_mod.is_vllm_available),
