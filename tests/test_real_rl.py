@@ -21,8 +21,9 @@ from unsloth_rollout.bench.real_rl.task import (  # noqa: E402
     CAPITALS, areal_capital_reward, capital_rows, trl_capital_reward)
 from unsloth_rollout.testing.real import CheckpointDownloadError, real_checkpoint_path  # noqa: E402
 
-# Every sample of every step is checked against the teacher-forced forward (2 prompts x 4 samples).
-SMOKE = RunSettings(steps=2, prompts_per_step=2, group=4, max_new_tokens=12, rows=4, oracle_samples=8)
+# 4 of each step's 8 samples are checked against the teacher-forced forward, plus the one whose behaviour and
+# trainer logprobs differ most (so the step's largest gap is always split into its two sides).
+SMOKE = RunSettings(steps=2, prompts_per_step=2, group=4, max_new_tokens=12, rows=4, oracle_samples=4)
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +80,12 @@ def _check_steps(name, steps, bound, rows):
         assert 0.0 <= s["mean_reward"] <= 1.0 and s["generation_s"] > 0 and s["train_s"] > 0
         if name != "trl-generate":  # every step sampled with the weights of the step before it
             assert s["versions"] == [i], (name, steps)
-        assert s["checked_rows"] == rows, (name, s)
+        assert s["checked_rows"] in (rows, rows + 1), (name, s)
         assert 0 < s["oracle_diff_max"] <= bound, (name, i, s)
         assert 0 <= s["trainer_drift_max"] <= bound, (name, i, s)
         assert s["logprob_diff_max"] <= trainer_bound(s, bound), (name, i, s)
-        # every row is checked, so the largest gap on them is the largest of the step (for TRL + engine this
-        # is TRL's own sampling_logp_difference/max: the recompute captured is the one TRL compared)
+        # the row of the step's largest gap is among the checked ones (for TRL + engine that gap is TRL's own
+        # sampling_logp_difference/max: the recompute captured is the one TRL compared)
         assert s["checked_diff_max"] == pytest.approx(s["logprob_diff_max"], rel=1e-4, abs=1e-9), (name, s)
 
 
@@ -104,15 +105,15 @@ def test_three_paths_smoke_through_the_cli(real_checkpoint, tmp_path, capsys):
     assert (tmp_path / "grpo_real.png").stat().st_size > 0
     assert list(rec["paths"]) == ["trl-generate", "trl-engine", "areal-engine"]
     b = rec["logprob_bounds"]
-    assert 1e-5 <= b["vs_teacher_forced"] <= 1e-4 and b["hf_generate_checked_rows"] == 2 * 8
+    assert 1e-5 <= b["vs_teacher_forced"] <= 1e-4 and b["hf_generate_checked_rows"] >= 2 * s.oracle_samples
     assert rec["partial"] is False and rec["criteria"]["at_step"] == 2
     for name, run in rec["paths"].items():
-        _check_steps(name, run["steps"], b["vs_teacher_forced"], s.prompts_per_step * s.group)
+        _check_steps(name, run["steps"], b["vs_teacher_forced"], s.oracle_samples)
     for name in ("trl-engine", "areal-engine"):
         c = rec["criteria"][name]
         assert c["logprob_vs_trainer_within_bound_every_step"] is True, (name, c)
         assert c["logprob_vs_teacher_forced_within_bound_every_step"] is True, (name, c)
-        assert c["every_row_checked_every_step"] is True, (name, c)
+        assert c["widest_gap_checked_every_step"] is True, (name, c)
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in rec["paths"])
 

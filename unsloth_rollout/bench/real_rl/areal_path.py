@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from .checks import RowCheck, row_check, spread, teacher_forced_rows
+from .checks import RowCheck, row_check, spread, teacher_forced_rows, with_widest
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "areal" / "configs" / "smollm2_capitals_cpu_grpo.yaml"
@@ -105,7 +105,8 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
             out = compute_logp(batch, *args, **kwargs)
             gaps.append(behaviour_logprob_gap(batch, out))
             t0 = time.perf_counter()  # the oracle, on the weights that sampled (before this step's update)
-            checked = spread(behaviour_samples(batch, out), s.oracle_samples)
+            rows = behaviour_samples(batch, out)
+            checked = with_widest(spread(rows, s.oracle_samples), rows, [x[2] for x in rows], [x[3] for x in rows])
             oracle = teacher_forced_rows(trainer.actor.policy, checked, s.temperature)
             checks.append(row_check([x[2] for x in checked], [x[3] for x in checked], oracle))
             checked_rows.append(len(checked))

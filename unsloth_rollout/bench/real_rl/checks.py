@@ -112,6 +112,17 @@ class HFGenerateLogprobs:
         return out.sequences
 
 
+def with_widest(checked: list, rows: list, behaviour: list, trainer: list) -> list:
+    """``checked`` plus the row of ``rows`` where |behaviour - trainer| is largest (when not already in it): the
+    step's largest gap is then always split into its behaviour and trainer parts by the oracle."""
+    gaps = [(torch.as_tensor(b) - torch.as_tensor(t)).abs().max().item() if len(b) else -1.0
+            for b, t in zip(behaviour, trainer)]
+    if not gaps:
+        return list(checked)
+    w = rows[max(range(len(gaps)), key=gaps.__getitem__)]
+    return list(checked) + ([] if any(w is c for c in checked) else [w])
+
+
 def spread(items: list, k: int) -> list:
     """``k`` items evenly spread over ``items`` (every group of a GRPO batch gets its turn)."""
     if k <= 0 or not items:

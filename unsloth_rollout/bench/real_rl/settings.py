@@ -29,7 +29,8 @@ class RunSettings:
         seed: seed of the LoRA initialisation, the prompt order and the samplers.
         rows: distinct prompts in the dataset (cycled in one seeded order, never reshuffled).
         oracle_samples: samples per step also checked against a teacher-forced fp32 forward of each alone
-            (default: every sample of a step, prompts_per_step x group).
+            (spread over the prompts; default: every sample of a step, prompts_per_step x group), plus the
+            sample whose behaviour and trainer logprobs differ most.
         threads: torch threads (0: leave torch's default).
     """
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from .checks import (HFGenerateLogprobs, RowCheck, TrainerLogprobs, match_rows, row_check, spread,
-                     teacher_forced_rows)
+                     teacher_forced_rows, with_widest)
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 from .task import capital_rows, trl_capital_reward, trl_dataset
 
@@ -128,6 +128,12 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
         samples, checked, oracle = pending.pop("samples"), pending.pop("checked"), pending.pop("oracle")
         trainer_lp = match_rows(samples, rows)
         timer.all_rows_gap.append(row_check([x[2] for x in samples], trainer_lp, trainer_lp).trainer)
+        t0 = time.perf_counter()
+        extra = with_widest(checked, samples, [x[2] for x in samples], trainer_lp)[len(checked):]
+        oracle = oracle + teacher_forced_rows(policy, extra, s.temperature)
+        checked = checked + extra
+        timer.check_times[-1] += time.perf_counter() - t0
+        timer.checked_rows[-1] = len(checked)
         by_row = dict(zip(map(id, samples), trainer_lp))
         timer.checks.append(row_check([x[2] for x in checked], [by_row[id(x)] for x in checked], oracle))
 
