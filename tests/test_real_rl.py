@@ -120,8 +120,9 @@ def test_three_paths_smoke_through_the_cli(real_checkpoint, tmp_path, capsys):
 
 def test_trainer_capture_refuses_rows_it_cannot_match():
     """The trainer's rows are matched to the sampled ones by prompt and completion; a row the trainer did not
-    score (or scored other tokens of) is an error, never a comparison of unrelated tokens."""
-    from unsloth_rollout.bench.real_rl.checks import match_rows, row_check
+    score (or scored other tokens of) is an error, never a comparison of unrelated tokens. The row of the largest
+    behaviour-trainer gap joins the checked ones."""
+    from unsloth_rollout.bench.real_rl.checks import match_rows, row_check, with_widest
 
     scored = [([1, 2], [3, 4], [-0.5, -0.25]), ([1, 2], [3, 5], [-0.5, -2.0])]
     assert match_rows([([1, 2], [3, 5]), ([1, 2], [3, 4])], scored) == [[-0.5, -2.0], [-0.5, -0.25]]
@@ -129,6 +130,10 @@ def test_trainer_capture_refuses_rows_it_cannot_match():
         match_rows([([1, 2], [3, 6])], scored)
     with pytest.raises(RuntimeError, match="matches no row"):  # each scored row is used once
         match_rows([([1, 2], [3, 4]), ([1, 2], [3, 4])], scored)
+    rows = [([1], [2], [-1.0]), ([1], [3], [-2.0]), ([1], [4], [-3.0])]
+    behaviour, trainer = [r[2] for r in rows], [[-1.0], [-2.5], [-3.1]]
+    assert with_widest([rows[0]], rows, behaviour, trainer) == [rows[0], rows[1]]
+    assert with_widest([rows[1]], rows, behaviour, trainer) == [rows[1]]
     chk = row_check([[-0.5, -0.3]], [[-0.5, -0.25]], [[-0.5, -0.26]])
     assert chk.oracle == pytest.approx(0.04) and chk.drift == pytest.approx(0.01) and chk.trainer == pytest.approx(0.05)
 
