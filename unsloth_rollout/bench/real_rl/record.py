@@ -186,6 +186,9 @@ def markdown(rec: dict) -> str:
                      f"({s['steps']} steps) | {s['generation_s_total']:.0f} | {s['train_s_total']:.0f} | "
                      f"{f(s['logprob_diff_max'], '.1e')} | {f(s['oracle_diff_max'], '.1e')} | "
                      f"{f(s['trainer_drift_max'], '.1e')} | {s['oracle_checked_rows']} |")
+    m = rec.get("machine", {})
+    ends = ", ".join(f"{k} {v.get('load_average_end')}" for k, v in rec["paths"].items())
+    lines += ["", f"Load average (1, 5, 15 min) at the start {m.get('load_average_start')}, at each path's end: {ends}."]
     lines += ["", f"fp32 bound vs teacher-forced: {f(b['vs_teacher_forced'], '.1e')} (1.5x HF generate's own "
                   f"{f(b['hf_generate_vs_teacher_forced'], '.1e')}); vs trainer, per step: that plus the trainer's own "
                   "distance from the teacher-forced forward on the same rows (the trainer drift column).", ""]
@@ -198,6 +201,7 @@ def markdown(rec: dict) -> str:
                          f"(noise {c['difference_noise']:.3f})")
             parts.append(f"generation {c['generation_time_ratio_trl_generate_over_this']:.2f}x less")
         parts.append(f"logprobs within bound every step: vs trainer {c['logprob_vs_trainer_within_bound_every_step']}, "
-                     f"vs teacher-forced {c['logprob_vs_teacher_forced_within_bound_every_step']}")
+                     f"vs teacher-forced {c['logprob_vs_teacher_forced_within_bound_every_step']}; the step's "
+                     f"largest gap among the rows checked every step: {c.get('widest_gap_checked_every_step')}")
         lines.append(f"- {name} (at step {crit.get('at_step')}): " + "; ".join(parts))
     return "\n".join(lines) + "\n"
