@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from .checks import oracle_gap, spread
+from .checks import RowCheck, row_check, spread, teacher_forced_rows, with_widest
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "areal" / "configs" / "smollm2_capitals_cpu_grpo.yaml"
@@ -49,22 +49,26 @@ def behaviour_logprob_gap(batch, recomputed) -> float:
     return worst
 
 
-def behaviour_samples(batch) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt_ids, output_ids, behaviour logprobs) of every row of ``batch`` (AReaL trajectories)."""
+def behaviour_samples(batch, recomputed=None) -> list[tuple]:
+    """(prompt_ids, output_ids, behaviour logprobs) of every row of ``batch`` (AReaL trajectories), and with
+    ``recomputed`` (compute_logp's output: entry t scores token t+1) the trainer's logprobs of the same tokens."""
     out = []
-    for traj in batch:
+    for i, traj in enumerate(batch):
         ids, mask, lp = traj["input_ids"], traj["loss_mask"], traj["logprobs"]
         attn = traj.get("attention_mask")
+        re = None if recomputed is None else recomputed[i].detach().float().cpu()
         if ids.dim() == 1:
             ids, mask, lp = ids[None], mask[None], lp[None]
             attn = None if attn is None else attn[None]
+            re = None if re is None else re[None]
         for r in range(ids.shape[0]):
             n = int(attn[r].sum()) if attn is not None else ids.shape[1]
             sampled = mask[r, :n].bool().nonzero().flatten().tolist()
             if not sampled:
                 continue
             start = sampled[0]
-            out.append((ids[r, :start].tolist(), ids[r, start:n].tolist(), lp[r, start:n].tolist()))
+            row = (ids[r, :start].tolist(), ids[r, start:n].tolist(), lp[r, start:n].tolist())
+            out.append(row if re is None else (*row, re[r, start - 1:n - 1].tolist()))
     return out
 
 
@@ -87,7 +91,8 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
     if s.threads:
         torch.set_num_threads(s.threads)
     gaps: list[float] = []
-    oracle: list[float] = []
+    checks: list[RowCheck] = []
+    checked_rows: list[int] = []
     check_times: list[float] = []
     versions: list[list[int]] = []
     lengths: list[float] = []
@@ -99,9 +104,12 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
         def checked_compute_logp(batch, *args, **kwargs):
             out = compute_logp(batch, *args, **kwargs)
             gaps.append(behaviour_logprob_gap(batch, out))
-            t0 = time.perf_counter()  # the oracle check, on the weights that sampled (before this step's update)
-            oracle.append(oracle_gap(trainer.actor.policy, spread(behaviour_samples(batch), s.oracle_samples),
-                                     s.temperature))
+            t0 = time.perf_counter()  # the oracle, on the weights that sampled (before this step's update)
+            rows = behaviour_samples(batch, out)
+            checked = with_widest(spread(rows, s.oracle_samples), rows, [x[2] for x in rows], [x[3] for x in rows])
+            oracle = teacher_forced_rows(trainer.actor.policy, checked, s.temperature)
+            checks.append(row_check([x[2] for x in checked], [x[3] for x in checked], oracle))
+            checked_rows.append(len(checked))
             check_times.append(time.perf_counter() - t0)
             versions.append(_versions(batch))
             n = sum(int(t["loss_mask"].shape[0]) if t["loss_mask"].dim() > 1 else 1 for t in batch)
@@ -117,11 +125,13 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
             i = len(records)
             gen = float(stats.get(ROLLOUT_KEY, float("nan")))
             check = check_times[i] if i < len(check_times) else 0.0
+            chk = checks[i] if i < len(checks) else RowCheck()
             train = sum(float(v) for k, v in stats.items()
                         if k.startswith("timeperf/") and k != ROLLOUT_KEY and "/" not in k[len("timeperf/"):]) - check
             rec = StepRecord(step=i + 1, mean_reward=float(stats[REWARD_KEY]), generation_s=gen, train_s=train,
                              logprob_diff_max=gaps[i] if i < len(gaps) else None,
-                             oracle_diff_max=oracle[i] if i < len(oracle) else None, check_s=check,
+                             oracle_diff_max=chk.oracle, trainer_drift_max=chk.drift, checked_diff_max=chk.trainer,
+                             checked_rows=checked_rows[i] if i < len(checked_rows) else 0, check_s=check,
                              completion_tokens_mean=lengths[i] if i < len(lengths) else None,
                              versions=versions[i] if i < len(versions) else [])
             records.append(rec)

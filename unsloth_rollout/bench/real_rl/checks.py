@@ -1,31 +1,104 @@
-"""Per-step logprob checks of the real-weights GRPO run.
+"""Per-step logprob checks of the real-weights GRPO run, on exactly the weights that sampled the step's rows.
 
-- ``HFGenerateLogprobs``: TRL's own generate path returns no logprobs, so the check TRL logs for the engine
-  path (behaviour vs its recomputed logprobs) does not exist there. This asks ``model.generate`` for its raw
-  logits as well and compares ``log_softmax(logits / T)`` of each sampled token with the trainer's
-  training-forward logprobs of the same rows (same weights: one optimizer step per generation batch):
-  HF generate's own distance from the trainer, the reference the engine's distance is read against.
-- ``oracle_gap``: the engine's behaviour logprobs against a teacher-forced fp32 forward of each sample
-  alone (``unsloth_rollout.testing.oracles.teacher_forced``, the oracle of tests/test_real_checkpoint.py).
+Three logprobs of every checked sampled token, all before the step's optimizer update:
+- behaviour: the engine's (TRL + engine, AReaL), or HF generate's own ``log_softmax(logits / T)`` on TRL's own
+  generate path (TRL returns none there; ``HFGenerateLogprobs`` asks ``model.generate`` for its raw logits);
+- the trainer's recompute, as the trainer does it (TRL: ``_get_per_token_logps_and_entropies`` on its left-padded
+  batch, captured by ``TrainerLogprobs``; AReaL: ``compute_logp``);
+- the oracle: a teacher-forced fp32 forward of the sample alone (``unsloth_rollout.testing.oracles.teacher_forced``,
+  the oracle of tests/test_real_checkpoint.py).
+
+``behaviour - oracle`` is the sampler's fp32 noise (held to the tests' bound); ``trainer - oracle`` is the
+trainer's own (HF's batch-vs-single drift on the same rows: the batched matmuls sum in another order; left
+padding, positions, train mode and dropout change nothing here, measured); ``|behaviour - trainer|`` is at most
+their sum, so its bound per step is the tests' bound plus the drift measured on the same rows in that step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-class HFGenerateLogprobs:
-    """Wraps ``model.generate`` and ``trainer._get_per_token_logps_and_entropies``; ``gaps`` gains one max per
-    training forward (a step)."""
+@dataclass
+class RowCheck:
+    """One step's checks over its checked rows (max over their sampled tokens)."""
 
-    def __init__(self, trainer, model, temperature: float):
+    oracle: float | None = None  # max |behaviour - teacher-forced|
+    drift: float | None = None  # max |trainer - teacher-forced|
+    trainer: float | None = None  # max |behaviour - trainer| on the checked rows
+
+
+def teacher_forced_rows(policy, rows, temperature: float) -> list:
+    """The oracle logprobs of each of ``rows`` = [(prompt_ids, output_ids, ...)] (None for an empty output)."""
+    from ...testing.oracles import teacher_forced
+
+    return [teacher_forced(policy, list(r[0]), list(r[1]), temperature)[0] if len(r[1]) else None for r in rows]
+
+
+def _max(pairs) -> float | None:
+    vals = [(torch.as_tensor(a, dtype=torch.float32) - torch.as_tensor(b, dtype=torch.float32)).abs().max().item()
+            for a, b in pairs if len(a)]
+    return max(vals) if vals else None
+
+
+def row_check(behaviour, trainer, oracle) -> RowCheck:
+    """Maxima over rows of three aligned per-row logprob lists (``trainer`` may hold None for rows not scored)."""
+    ok = [(b, t, o) for b, t, o in zip(behaviour, trainer, oracle) if o is not None]
+    return RowCheck(oracle=_max((b, o) for b, _, o in ok),
+                    drift=_max((t, o) for _, t, o in ok if t is not None),
+                    trainer=_max((b, t) for b, t, _ in ok if t is not None))
+
+
+class TrainerLogprobs:
+    """Wraps ``trainer._get_per_token_logps_and_entropies`` and keeps, per step, the rows of its first call with
+    ``grad`` as asked: TRL's no-grad recompute (``old_per_token_logps``, what TRL's sampling_logp_difference
+    compares) on the engine path, the training forward on TRL's own generate path (TRL recomputes nothing else
+    there). ``on_rows(rows)`` gets [(prompt_ids, completion_ids, logps)] once per step."""
+
+    def __init__(self, trainer, grad: bool, on_rows):
+        self.grad, self.on_rows, self.armed = grad, on_rows, False
+        self._logps = trainer._get_per_token_logps_and_entropies
+        trainer._get_per_token_logps_and_entropies = self._wrapped
+
+    def _wrapped(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        res = self._logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self.armed and torch.is_grad_enabled() == self.grad:
+            self.armed = False
+            k, logps = logits_to_keep, res[0].detach().float().cpu()
+            rows = []
+            for b in range(input_ids.shape[0]):
+                prompt = input_ids[b, :-k][attention_mask[b, :-k].bool()].tolist()
+                comp = input_ids[b, -k:][attention_mask[b, -k:].bool()].tolist()
+                rows.append((prompt, comp, logps[b, : len(comp)].tolist()))
+            self.on_rows(rows)
+        return res
+
+
+def match_rows(sampled, scored) -> list:
+    """For each of ``sampled`` = [(prompt_ids, output_ids, ...)], the logps of its row in ``scored`` =
+    [(prompt_ids, completion_ids, logps)] (each scored row used once; rows of one group may repeat)."""
+    pool = [(tuple(p), list(c), lp) for p, c, lp in scored]
+    out = []
+    for r in sampled:
+        p, c = tuple(r[0]), list(r[1])
+        j = next((j for j, (q, d, _) in enumerate(pool) if q == p and d == c), None)
+        if j is None:
+            raise RuntimeError("logprob check: a sampled row matches no row of the trainer's recompute")
+        out.append(pool.pop(j)[2])
+    return out
+
+
+class HFGenerateLogprobs:
+    """Wraps ``model.generate`` (TRL's own generate path) to keep HF generate's ``log_softmax(logits / T)`` of
+    each sampled token: ``rows`` = [(prompt_ids, new_ids, logprobs)] of the last call."""
+
+    def __init__(self, model, temperature: float):
         self.temperature = temperature
         self.rows: list[tuple[tuple[int, ...], list[int], list[float]]] = []
-        self.gaps: list[float] = []
         self._generate = model.generate
-        self._logps = trainer._get_per_token_logps_and_entropies
         model.generate = self._wrapped_generate
-        trainer._get_per_token_logps_and_entropies = self._wrapped_logps
 
     def _wrapped_generate(self, *args, **kwargs):
         kwargs.update(output_logits=True, return_dict_in_generate=True)
@@ -38,39 +111,16 @@ class HFGenerateLogprobs:
                      for b in range(ids.shape[0])]
         return out.sequences
 
-    def _wrapped_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        res = self._logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        if self.rows and torch.is_grad_enabled():  # the training forward (TRL's no-grad ones are not this path's)
-            self.gaps.append(self._gap(input_ids, attention_mask, logits_to_keep, res[0].detach()))
-        return res
 
-    def _gap(self, input_ids, attention_mask, k: int, logps) -> float:
-        worst = 0.0
-        pool = list(self.rows)
-        for b in range(input_ids.shape[0]):
-            prompt = tuple(input_ids[b, :-k][attention_mask[b, :-k].bool()].tolist())
-            comp = input_ids[b, -k:][attention_mask[b, -k:].bool()].tolist()
-            n = len(comp)
-            j = next((j for j, (p, new, _) in enumerate(pool) if p == prompt and new[:n] == comp), None)
-            if j is None:
-                raise RuntimeError("HF generate logprob check: a trained row matches no generated row")
-            _, _, lp = pool.pop(j)
-            if n:
-                worst = max(worst, (torch.tensor(lp[:n]) - logps[b, :n].float().cpu()).abs().max().item())
-        return worst
-
-
-def oracle_gap(policy, samples, temperature: float) -> float:
-    """max |behaviour logprob - teacher-forced logprob| over ``samples`` = [(prompt_ids, output_ids, logprobs)]."""
-    from ...testing.oracles import teacher_forced
-
-    worst = 0.0
-    for prompt_ids, output_ids, logprobs in samples:
-        if not output_ids:
-            continue
-        ref, _ = teacher_forced(policy, list(prompt_ids), list(output_ids), temperature)
-        worst = max(worst, (ref.cpu() - torch.tensor(list(logprobs))).abs().max().item())
-    return worst
+def with_widest(checked: list, rows: list, behaviour: list, trainer: list) -> list:
+    """``checked`` plus the row of ``rows`` where |behaviour - trainer| is largest (when not already in it): the
+    step's largest gap is then always split into its behaviour and trainer parts by the oracle."""
+    gaps = [(torch.as_tensor(b) - torch.as_tensor(t)).abs().max().item() if len(b) else -1.0
+            for b, t in zip(behaviour, trainer)]
+    if not gaps:
+        return list(checked)
+    w = rows[max(range(len(gaps)), key=gaps.__getitem__)]
+    return list(checked) + ([] if any(w is c for c in checked) else [w])
 
 
 def spread(items: list, k: int) -> list:

@@ -22,6 +22,7 @@ def summarize(records: list[StepRecord]) -> dict:
     train = [r.train_s for r in records]
     diffs = [r.logprob_diff_max for r in records if r.logprob_diff_max is not None]
     oracle = [r.oracle_diff_max for r in records if r.oracle_diff_max is not None]
+    drift = [r.trainer_drift_max for r in records if r.trainer_drift_max is not None]
     w = min(WINDOW, len(records))
     return {
         "steps": len(records),
@@ -32,30 +33,47 @@ def summarize(records: list[StepRecord]) -> dict:
         "train_s_median": sorted(train)[len(train) // 2] if train else None,
         "logprob_diff_max": max(diffs) if diffs else None, "logprob_checked_steps": len(diffs),
         "oracle_diff_max": max(oracle) if oracle else None, "oracle_checked_steps": len(oracle),
+        "trainer_drift_max": max(drift) if drift else None,
+        "oracle_checked_rows": sum(r.checked_rows for r in records),
     }
 
 
 def bounds(distance_start: float, summaries: dict[str, dict]) -> dict:
-    """The fp32 bounds, by the rule of tests/test_real_checkpoint.py: max(1e-5, 1.5 x HF generate's own distance
-    from the same reference). HF generate's distance is measured in this run: at the start against a teacher-forced
-    forward (as the test does), and on TRL's own generate path at every step (against the trainer's recomputed
-    logprobs, and against the teacher-forced forward)."""
+    """The fp32 bound against the teacher-forced forward, by the rule of tests/test_real_checkpoint.py:
+    max(1e-5, 1.5 x HF generate's own distance from it), HF's distance measured in this run (at the start on the
+    base weights, and on every checked row of TRL's own generate path at every step, as many rows as the engine
+    paths check). Against the trainer's recompute the bound is per step (``trainer_bound``)."""
     from .bound import fp32_bound
 
     base = summaries.get("trl-generate") or {}
     hf_oracle = max([distance_start] + ([base["oracle_diff_max"]] if base.get("oracle_diff_max") is not None else []))
-    hf_trainer = base.get("logprob_diff_max")
     return {"vs_teacher_forced": fp32_bound(hf_oracle), "hf_generate_vs_teacher_forced": hf_oracle,
-            "vs_trainer": None if hf_trainer is None else fp32_bound(hf_trainer),
-            "hf_generate_vs_trainer": hf_trainer}
+            "hf_generate_vs_teacher_forced_start": distance_start,
+            "hf_generate_checked_rows": base.get("oracle_checked_rows", 0),
+            "vs_trainer": "per step: vs_teacher_forced + that step's trainer_drift_max (the trainer's own distance "
+                          "from the teacher-forced forward on the same rows)"}
 
 
-def within(records: list[dict], key: str, bound: float | None) -> bool | None:
-    """Every step recorded ``key`` and it is <= ``bound`` (None: no bound or nothing recorded)."""
-    vals = [r[key] for r in records]
-    if bound is None or not vals:
+def trainer_bound(step: dict, bound_vs_teacher_forced: float) -> float | None:
+    """A step's bound on |behaviour - trainer|: the behaviour side may be ``bound_vs_teacher_forced`` from the
+    oracle, the trainer's recompute is ``trainer_drift_max`` from it (measured on the same rows): |a - b| is at
+    most their sum."""
+    drift = step.get("trainer_drift_max")
+    return None if drift is None else bound_vs_teacher_forced + drift
+
+
+def within(records: list[dict], key: str, bound) -> bool | None:
+    """Every step recorded ``key`` and it is <= ``bound`` (a number, or a function of the step; None: no bound or
+    nothing recorded)."""
+    if bound is None or not records:
         return None
-    return all(v is not None and v <= bound for v in vals)
+    limit = bound if callable(bound) else (lambda _r: bound)
+    return all(r.get(key) is not None and limit(r) is not None and r[key] <= limit(r) for r in records)
+
+
+def _same(a, b) -> bool:
+    """Two maxima of one set of gaps, computed apart (ours from lists, TRL's from its tensors)."""
+    return a is not None and b is not None and abs(a - b) <= 1e-4 * max(abs(b), 1e-12)
 
 
 def two_se_of_difference(p1: float, p2: float, n: int) -> float:
@@ -80,10 +98,14 @@ def criteria(results: dict[str, dict], bnd: dict, samples_per_step: int) -> dict
         s, steps = cut[name]["summary"], cut[name]["steps"]
         n = min(WINDOW, len(steps)) * samples_per_step
         first, last = s["first_mean_reward"], s["last_mean_reward"]
+        b_tf = bnd["vs_teacher_forced"]
         c = {"reward_gain": last - first, "reward_gain_noise": two_se_of_difference(first, last, n),
-             "logprob_vs_trainer_within_bound_every_step": within(steps, "logprob_diff_max", bnd["vs_trainer"]),
-             "logprob_vs_teacher_forced_within_bound_every_step": within(steps, "oracle_diff_max",
-                                                                         bnd["vs_teacher_forced"])}
+             "logprob_vs_trainer_within_bound_every_step": within(steps, "logprob_diff_max",
+                                                                  lambda r: trainer_bound(r, b_tf)),
+             "logprob_vs_teacher_forced_within_bound_every_step": within(steps, "oracle_diff_max", b_tf),
+             "trainer_bound_per_step": [trainer_bound(r, b_tf) for r in steps],
+             "widest_gap_checked_every_step": all(_same(r.get("checked_diff_max"), r.get("logprob_diff_max"))
+                                                  for r in steps)}
         c["rises"] = c["reward_gain"] > c["reward_gain_noise"]
         if base is not None:
             c["last_mean_reward_minus_trl_generate"] = last - base["last_mean_reward"]
@@ -125,9 +147,13 @@ def plot(record: dict, path) -> None:
             pts = [(r["step"], r[key]) for r in run["steps"] if r.get(key) is not None]
             if pts:
                 axes[2].plot(*zip(*pts), marker="o", ms=3, ls=ls, color=colors.get(name), label=f"{name} {what}")
-    for key, ls, what in (("vs_trainer", "--", "vs trainer"), ("vs_teacher_forced", "-.", "vs teacher-forced")):
-        if bnd.get(key):
-            axes[2].axhline(bnd[key], color="red", ls=ls, lw=1, label=f"fp32 bound {what} {bnd[key]:.1e}")
+        b_tf = bnd.get("vs_teacher_forced")
+        pts = [(r["step"], trainer_bound(r, b_tf)) for r in run["steps"] if b_tf and trainer_bound(r, b_tf)]
+        if pts and name != "trl-generate":
+            axes[2].plot(*zip(*pts), ls="--", lw=1, color=colors.get(name), label=f"{name} bound vs trainer")
+    if bnd.get("vs_teacher_forced"):
+        axes[2].axhline(bnd["vs_teacher_forced"], color="red", ls="-.", lw=1,
+                        label=f"fp32 bound vs teacher-forced {bnd['vs_teacher_forced']:.1e}")
     axes[0].set(xlabel="GRPO step", ylabel="mean reward", ylim=(0, 1.05), title="reward per step")
     axes[1].set(xlabel="cumulative generation wall time (s)", ylabel="mean reward", ylim=(0, 1.05),
                 title="reward against generation time")
@@ -152,14 +178,20 @@ def markdown(rec: dict) -> str:
     common = crit.get("at_step") or min(len(r["steps"]) for r in rec["paths"].values())
     lines = [f"{rec['title']}{' (PARTIAL: ' + str(rec['partial_steps_done']) + ')' if rec.get('partial') else ''}",
              "", "| path | mean reward, first 5 -> last 5 steps | generation (s) | training (s) | "
-             "max \\|logprob - trainer's\\| | max \\|logprob - teacher-forced\\| |", "|---|---|---:|---:|---:|---:|"]
+             "max \\|logprob - trainer's\\| | max \\|logprob - teacher-forced\\| | trainer drift | rows checked |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rec["paths"].items():
         s = summarize([StepRecord(**x) for x in r["steps"][:common]])  # every path at the same step count
         lines.append(f"| {name} | {f(s['first_mean_reward'], '.3f')} -> {f(s['last_mean_reward'], '.3f')} "
                      f"({s['steps']} steps) | {s['generation_s_total']:.0f} | {s['train_s_total']:.0f} | "
-                     f"{f(s['logprob_diff_max'], '.1e')} | {f(s['oracle_diff_max'], '.1e')} |")
-    lines += ["", f"fp32 bounds (1.5x HF generate's own distance): vs trainer {f(b['vs_trainer'], '.1e')}, "
-                  f"vs teacher-forced {f(b['vs_teacher_forced'], '.1e')}.", ""]
+                     f"{f(s['logprob_diff_max'], '.1e')} | {f(s['oracle_diff_max'], '.1e')} | "
+                     f"{f(s['trainer_drift_max'], '.1e')} | {s['oracle_checked_rows']} |")
+    m = rec.get("machine", {})
+    ends = ", ".join(f"{k} {v.get('load_average_end')}" for k, v in rec["paths"].items())
+    lines += ["", f"Load average (1, 5, 15 min) at the start {m.get('load_average_start')}, at each path's end: {ends}."]
+    lines += ["", f"fp32 bound vs teacher-forced: {f(b['vs_teacher_forced'], '.1e')} (1.5x HF generate's own "
+                  f"{f(b['hf_generate_vs_teacher_forced'], '.1e')}); vs trainer, per step: that plus the trainer's own "
+                  "distance from the teacher-forced forward on the same rows (the trainer drift column).", ""]
     for name, c in crit.items():
         if not isinstance(c, dict):
             continue
@@ -169,6 +201,7 @@ def markdown(rec: dict) -> str:
                          f"(noise {c['difference_noise']:.3f})")
             parts.append(f"generation {c['generation_time_ratio_trl_generate_over_this']:.2f}x less")
         parts.append(f"logprobs within bound every step: vs trainer {c['logprob_vs_trainer_within_bound_every_step']}, "
-                     f"vs teacher-forced {c['logprob_vs_teacher_forced_within_bound_every_step']}")
+                     f"vs teacher-forced {c['logprob_vs_teacher_forced_within_bound_every_step']}; the step's "
+                     f"largest gap among the rows checked every step: {c.get('widest_gap_checked_every_step')}")
         lines.append(f"- {name} (at step {crit.get('at_step')}): " + "; ".join(parts))
     return "\n".join(lines) + "\n"

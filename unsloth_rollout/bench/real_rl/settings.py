@@ -28,7 +28,9 @@ class RunSettings:
             which on 2 CPU cores is most of a step's cost.
         seed: seed of the LoRA initialisation, the prompt order and the samplers.
         rows: distinct prompts in the dataset (cycled in one seeded order, never reshuffled).
-        oracle_samples: samples per step also checked against a teacher-forced fp32 forward of each alone.
+        oracle_samples: samples per step also checked against a teacher-forced fp32 forward of each alone
+            (spread over the prompts; default: every sample of a step, prompts_per_step x group), plus the
+            sample whose behaviour and trainer logprobs differ most.
         threads: torch threads (0: leave torch's default).
     """
 
@@ -44,7 +46,7 @@ class RunSettings:
     lora_layers: int = 10
     seed: int = 0
     rows: int = 16
-    oracle_samples: int = 4
+    oracle_samples: int = 32
     threads: int = 0
 
     def __post_init__(self):
@@ -81,7 +83,10 @@ class StepRecord:
     train_s: float  # wall seconds of the rest of the step: rewards, logprob recompute, loss, backward, optimizer
     logprob_diff_max: float | None  # max |behaviour logprob - trainer's recomputed| over the step's sampled tokens
     # (behaviour: the engine's, or for TRL's own generate HF generate's log_softmax(logits / T))
-    oracle_diff_max: float | None = None  # max |behaviour logprob - teacher-forced fp32 forward| (oracle_samples)
+    oracle_diff_max: float | None = None  # max |behaviour logprob - teacher-forced fp32 forward| (checked rows)
+    trainer_drift_max: float | None = None  # max |trainer recomputed - teacher-forced| (the same checked rows)
+    checked_diff_max: float | None = None  # max |behaviour - trainer recomputed| on the checked rows
+    checked_rows: int = 0  # rows checked against the teacher-forced forward this step
     check_s: float = 0.0  # wall seconds of the oracle check (not in generation_s or train_s)
     completion_tokens_mean: float | None = None  # mean completion length in tokens (EOS included)
     versions: list[int] = field(default_factory=list)  # weight versions stamped on the step's sampled tokens

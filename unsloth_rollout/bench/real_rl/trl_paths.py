@@ -14,7 +14,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from .checks import HFGenerateLogprobs, oracle_gap, spread
+from .checks import (HFGenerateLogprobs, RowCheck, TrainerLogprobs, match_rows, row_check, spread,
+                     teacher_forced_rows, with_widest)
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 from .task import capital_rows, trl_capital_reward, trl_dataset
 
@@ -54,8 +55,9 @@ class _StepTimer:
         self.gen_times: list[float] = []
         self.comp_lens: list[float] = []
         self.check_times: list[float] = []
-        self.oracle: list[float] = []
-        self.hf = None  # HFGenerateLogprobs on TRL's own generate path
+        self.checks: list[RowCheck] = []  # per step, on the checked rows (checks.py)
+        self.all_rows_gap: list[float | None] = []  # per step: max |behaviour - trainer| over every row
+        self.checked_rows: list[int] = []
         self.records: list[StepRecord] = []
         self._t0 = 0.0
         self._wall: list[float] = []
@@ -79,13 +81,15 @@ class _StepTimer:
         gen = self.gen_times[i] if i < len(self.gen_times) else float("nan")
         wall = self._wall[i] if i < len(self._wall) else float("nan")
         check = self.check_times[i] if i < len(self.check_times) else 0.0
-        diff = logs.get(LOGP_KEY)
-        if self.hf is not None:
-            diff = self.hf.gaps[i] if i < len(self.hf.gaps) else None
+        diff = logs.get(LOGP_KEY)  # TRL's own check on the engine path; TRL's own generate path has none
+        if diff is None and i < len(self.all_rows_gap):
+            diff = self.all_rows_gap[i]
+        chk = self.checks[i] if i < len(self.checks) else RowCheck()
         versions = self.rf.history[i]["versions"] if self.rf is not None and i < len(self.rf.history) else []
         rec = StepRecord(step=step, mean_reward=float(logs["reward"]), generation_s=gen, train_s=wall - gen - check,
                          logprob_diff_max=None if diff is None else float(diff),
-                         oracle_diff_max=self.oracle[i] if i < len(self.oracle) else None, check_s=check,
+                         oracle_diff_max=chk.oracle, trainer_drift_max=chk.drift, checked_diff_max=chk.trainer,
+                         checked_rows=self.checked_rows[i] if i < len(self.checked_rows) else 0, check_s=check,
                          completion_tokens_mean=self.comp_lens[i] if i < len(self.comp_lens) else None,
                          versions=list(versions))
         self.records.append(rec)
@@ -116,8 +120,24 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=trl_capital_reward,
                           args=grpo_args(s, out_dir), train_dataset=trl_dataset(capital_rows(s.rows, s.seed)),
                           rollout_func=rf, callbacks=[timer.callback])
-    if not engine_path:
-        timer.hf = HFGenerateLogprobs(trainer, policy.model, s.temperature)
+    hf = None if engine_path else HFGenerateLogprobs(policy.model, s.temperature)
+    pending: dict = {}
+
+    def on_trainer_rows(rows):
+        # the trainer's recompute of this step's rows, still before its optimizer update
+        samples, checked, oracle = pending.pop("samples"), pending.pop("checked"), pending.pop("oracle")
+        trainer_lp = match_rows(samples, rows)
+        timer.all_rows_gap.append(row_check([x[2] for x in samples], trainer_lp, trainer_lp).trainer)
+        t0 = time.perf_counter()
+        extra = with_widest(checked, samples, [x[2] for x in samples], trainer_lp)[len(checked):]
+        oracle = oracle + teacher_forced_rows(policy, extra, s.temperature)
+        checked = checked + extra
+        timer.check_times[-1] += time.perf_counter() - t0
+        timer.checked_rows[-1] = len(checked)
+        by_row = dict(zip(map(id, samples), trainer_lp))
+        timer.checks.append(row_check([x[2] for x in checked], [by_row[id(x)] for x in checked], oracle))
+
+    recompute = TrainerLogprobs(trainer, grad=not engine_path, on_rows=on_trainer_rows)
     generate = trainer._generate
 
     def timed_generate(prompts):
@@ -126,13 +146,16 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
         timer.gen_times.append(time.perf_counter() - t0)
         prompt_ids, completion_ids = res[0], res[1]
         timer.comp_lens.append(sum(len(c) for c in completion_ids) / max(1, len(completion_ids)))
-        # The oracle check runs before this step's optimizer update, on the weights that sampled.
+        # The oracle runs before this step's optimizer update, on the weights that sampled.
         t1 = time.perf_counter()
         if engine_path:
-            samples = [(o.prompt_ids, o.output_ids, o.output_logprobs) for o in rf.last_outputs]
+            samples = [(list(o.prompt_ids), list(o.output_ids), list(o.output_logprobs)) for o in rf.last_outputs]
         else:
-            samples = [(p, new[:len(c)], lp[:len(c)]) for (p, new, lp), c in zip(timer.hf.rows, completion_ids)]
-        timer.oracle.append(oracle_gap(policy, spread(samples, s.oracle_samples), s.temperature))
+            samples = [(list(p), new[:len(c)], lp[:len(c)]) for (p, new, lp), c in zip(hf.rows, completion_ids)]
+        checked = spread(samples, s.oracle_samples)
+        pending.update(samples=samples, checked=checked, oracle=teacher_forced_rows(policy, checked, s.temperature))
+        timer.checked_rows.append(len(checked))
+        recompute.armed = True
         timer.check_times.append(time.perf_counter() - t1)
         return res
 
