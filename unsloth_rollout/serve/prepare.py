@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..engine import GenerationRequest, InvalidRequestError, SamplingParams
 from ..engine.options import completion_room, logits_width, sampling_from_options
-from .prompt import chat_prompt, prepare_prompt
+from .prompt import chat_prompt, prepare_prompt, request_tools
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .scoring import truncate_prompt
 from .state import ServerState
@@ -24,22 +24,23 @@ from .structured import from_response_format, tool_choice_outputs
 # Engine field -> request field, for the ``param`` of a 400.
 _PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "lora_name": "model"}
 
+
 @dataclass
 class Prepared:
     """One OpenAI request turned into engine requests, plus what the response needs."""
 
-    requests: list[GenerationRequest]
+    requests: list[GenerationRequest]  # one per prompt (chat: one), prepared: the engine does not redo the prompt
     prompt_ids: list[list[int]]  # per request, image placeholders expanded
-    n: int
+    n: int  # samples per prompt
     logprobs: int | None  # top logprobs per token (None: no logprobs)
-    as_token_ids: bool
-    prompt_param: str
-    prompt_text: str = ""
+    as_token_ids: bool  # return_tokens_as_token_ids: tokens spelled "token_id:<id>"
+    prompt_param: str  # the request field the prompt came from ("messages" or "prompt"), for a 400's param
+    prompt_text: str = ""  # chat: the rendered template (the tool parser reads it)
     forced: str | None = None  # tool_choice required / named: the tool-call format the grammar writes calls in
     structured_param: str = "structured_outputs"  # the request field an output constraint came from
-    tools: list[dict] | None = None
-    tool_choice: object = "none"
-    created: int = field(default_factory=lambda: int(time.time()))
+    tools: list[dict] | None = None  # chat: the request's tools
+    tool_choice: object = "none"  # chat: "none" | "auto" | "required" | a named function (dict)
+    created: int = field(default_factory=lambda: int(time.time()))  # the response's "created"
     prompt_logprobs: int | None = None  # top logprobs per prompt position (None: the prompt is not scored)
     echo_texts: list[str] | None = None  # echo: the prompt text each choice's text starts with
 
@@ -101,7 +102,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, prompt_id
     lora = state.adapter_for(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError("when using top_logprobs, logprobs must be set to true", param="top_logprobs")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = request_tools(req)
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = choice.model_dump()

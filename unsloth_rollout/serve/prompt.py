@@ -80,6 +80,11 @@ class ChatPrompt:
     ids: list[int]  # the prompt's token ids; image placeholders not yet expanded
 
 
+def request_tools(req) -> list[dict] | None:
+    """A request's ``tools`` as the chat template (and the tool-call grammar) reads them."""
+    return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+
+
 async def chat_prompt(state: ServerState, req, prompt_ids=None) -> ChatPrompt:
     """The tokens a chat request (``ChatCompletionRequest`` or ``TokenizeRequest``) runs.
 
@@ -88,7 +93,7 @@ async def chat_prompt(state: ServerState, req, prompt_ids=None) -> ChatPrompt:
     expanded or single placeholders.
     """
     kwargs = template_kwargs(req.chat_template_kwargs)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = request_tools(req)
     messages = normalize_messages(req.messages)
     messages, images = await state.media.resolve_messages(messages, accept_images=state.engine.policy.is_vlm)
     add_generation_prompt = req.add_generation_prompt is not False

@@ -12,11 +12,22 @@ from .render import _chat_logprobs, _completion_logprobs, _parse, _sse, _text, _
 from .tool_stream import ToolCallStream
 from .tools import StreamGuard
 
+
+def _usage_wanted(req) -> tuple[bool, bool]:
+    """(include_usage, continuous usage) of a streamed request: vLLM sends continuous usage only with include_usage."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
+def _in_band_error(e: Exception) -> str:
+    """An error after the headers are sent, reported in the stream as vLLM does."""
+    return _sse(error_body(str(e), 400 if isinstance(e, (InvalidRequestError, APIError)) else 500))
+
+
 async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream, rid: str):
     model = req.model or state.model_name
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
+    include_usage, continuous = _usage_wanted(req)
     n = prep.n
     # The engine's deltas already hold back text a stop string may still cut; tool calls stream as vLLM's do.
     guards = [StreamGuard(None) for _ in range(n)]
@@ -80,16 +91,14 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
             yield chunk([choice], _usage(prompt_len, sum(ntoks)) if continuous else None)
         if include_usage:
             yield chunk([], _usage(prompt_len, sum(ntoks)))
-    except Exception as e:  # headers are sent: report in-band, as vLLM does
-        yield _sse(error_body(str(e), 400 if isinstance(e, (InvalidRequestError, APIError)) else 500))
+    except Exception as e:
+        yield _in_band_error(e)
     yield "data: [DONE]\n\n"
 
 
 async def _completion_events(state, req: CompletionRequest, prep: Prepared, stream: RequestStream, rid: str):
     model = req.model or state.model_name
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: only together with include_usage
+    include_usage, continuous = _usage_wanted(req)
     n = prep.n
     total = len(prep.requests) * n
     sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
@@ -131,5 +140,5 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
             yield _sse({"id": rid, "object": "text_completion", "created": prep.created, "model": model,
                         "choices": [], "usage": usage()})
     except Exception as e:
-        yield _sse(error_body(str(e), 400 if isinstance(e, (InvalidRequestError, APIError)) else 500))
+        yield _in_band_error(e)
     yield "data: [DONE]\n\n"
