@@ -34,10 +34,11 @@ ENGINE_FLAGS = {
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``serve`` flags: the model's, the engine's (from ``EngineConfig``) and the server's (``ServerSettings``)."""
     from ..engine import EngineConfig
+    from ..models.loader import BACKENDS
 
     p.add_argument("model", help="model folder (or hub name when online)")
     g = p.add_argument_group("model")
-    g.add_argument("--model-backend", choices=("auto", "unsloth", "transformers"), default="auto",
+    g.add_argument("--model-backend", choices=BACKENDS, default="auto",
                    help="load_model backend")
     g.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 weights")
     g.add_argument("--dtype", default=None, help="torch dtype name (default: fp32 on CPU, bf16 on GPUs that have it)")

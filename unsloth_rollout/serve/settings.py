@@ -123,8 +123,8 @@ def add_dataclass_arguments(parser, cls, names=None, options: dict | None = None
             if many:
                 kw.setdefault("nargs", "+")
             flag = flag or "--" + f.name.replace("_", "-")
-        if shown and "help" in kw:
-            kw["help"] += f" (default: {default})"
+        if "help" in kw:  # argparse %-formats help text
+            kw["help"] = kw["help"].replace("%", "%%") + (f" (default: {default})" if shown else "")
         parser.add_argument(flag, dest=f.name, default=default, **kw)
     return parser
 
