@@ -47,8 +47,9 @@ def test_tokenize_gives_the_tokens_chat_runs(served):
         assert body["tokens"] == list(want) == chat["prompt_token_ids"]
         assert body["count"] == len(want) and body["max_model_len"] == MAX_MODEL_LEN
         # The completion's budget is the room the prompt leaves: max_tokens unset runs to max_model_len.
-        full = client.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True}).json()
-        assert full["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(want)
+        full = client.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True, **extra}).json()
+        assert full["usage"] == {"prompt_tokens": len(want), "completion_tokens": MAX_MODEL_LEN - len(want),
+                                 "total_tokens": MAX_MODEL_LEN, "prompt_tokens_details": None}
 
 
 def test_tokenize_refuses_what_chat_refuses(served):
