@@ -108,3 +108,26 @@ def test_cli_flags_take_their_defaults_from_the_settings_dataclasses(monkeypatch
     assert ServerSettings(**{f.name: getattr(args, f.name) for f in server}).max_n == ServerSettings().max_n
     with pytest.raises(ValueError, match="logprobs_mode"):
         ServerSettings(logprobs_mode="nope")
+
+
+# docs/server.md's layout, top to bottom: each module may import only modules after it here.
+LAYERS = ["cli", "app", "guard", "errors", "routes_openai", "routes_info", "routes_control", "routes_weights",
+          "completions", "streaming", "render", "prepare", "prompt", "scoring", "structured", "weights", "state",
+          "metrics", "media", "settings", "tool_stream", "tools", "protocol"]
+
+
+def test_serve_modules_import_one_way():
+    import pathlib
+    import re
+
+    import unsloth_rollout.serve as serve
+
+    root = pathlib.Path(serve.__file__).parent
+    modules = [p.stem for p in root.glob("*.py") if p.stem in LAYERS]
+    assert len(modules) == len(LAYERS)
+    for name in modules:
+        src = (root / f"{name}.py").read_text()
+        deps = set(re.findall(r"^\s*from \.(\w+) import", src, re.M)) | set(re.findall(r"^\s*from \. import (\w+)",
+                                                                                      src, re.M))
+        upward = [d for d in deps if d in LAYERS and LAYERS.index(d) <= LAYERS.index(name)]
+        assert not upward, f"serve/{name}.py imports {upward}, above it in the layout"

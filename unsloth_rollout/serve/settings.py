@@ -73,11 +73,10 @@ class ServerSettings:
         if self.enable_runtime_lora is None:
             self.enable_runtime_lora = runtime_lora_from_env()
 
-    def model_names(self, policy) -> list[str]:
-        """The names a request's ``model`` may use for the policy (the first is reported)."""
+    def model_names(self, path: str | None) -> list[str]:
+        """The names a request's ``model`` may use for the policy loaded from ``path`` (the first is reported)."""
         if isinstance(self.served_model_name, str):
             return [self.served_model_name]
-        path = self.model_path or getattr(policy, "name_or_path", None)
         return list(self.served_model_name or []) or [str(path).rstrip("/").rsplit("/", 1)[-1] if path
                                                       else "unsloth-rollout"]
 

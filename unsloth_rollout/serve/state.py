@@ -30,7 +30,7 @@ class ServerState:
         self.settings = settings
         policy = engine.policy
         self.model_path = settings.model_path or getattr(policy, "name_or_path", None)
-        self.model_names = settings.model_names(policy)
+        self.model_names = settings.model_names(self.model_path)
         self.default_sampling = default_sampling(policy) if settings.generation_config == "auto" else {}
         self.tokenizer = engine.tokenizer
         self.media = MediaPolicy(settings.allowed_local_media_path, settings.allow_remote_images,
