@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from ..engine import InvalidRequestError
-from .prepare import engine_error, prepare_chat, prepare_completion
+from .prepare import Prepared, engine_error, prepare_chat, prepare_completion
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .render import _replay_chat_events, chat_response, completion_response
 from .state import ClientDisconnected, ServerState, run_until_disconnect
@@ -37,30 +37,21 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw) 
         finally:
             session.discard(rid)  # a request that was not recorded (an error, a disconnect) leaves nothing
     prep = await prepare_chat(state, req)
-    state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
-    try:
-        if req.stream:
-            stream = state.engine.stream_many(prep.requests)
-            return StreamingResponse(_chat_events(state, req, prep, stream, rid), media_type="text/event-stream",
-                                     background=BackgroundTask(stream.close))
-        (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
-    except ClientDisconnected:
+    if req.stream:
+        return _streamed(state, req, prep, _chat_events, rid)
+    results = await _results(state, prep, raw)
+    if results is None:
         return Response(status_code=499)
-    except InvalidRequestError as e:
-        raise engine_error(e, prep) from None
-    return JSONResponse(chat_response(state, req, prep, outs, rid))
+    return JSONResponse(chat_response(state, req, prep, results[0], rid))
 
 
 async def _session_chat(state: ServerState, req: ChatCompletionRequest, raw, session, rid: str) -> Response:
     """A recorded session's request: run it whole, record it, then answer (a stream is replayed)."""
     prep = await prepare_chat(state, req, prompt_ids=session.prompt_ids_for(rid, req))
-    state.counters["prompt_tokens"] += len(prep.prompt_ids[0])
-    try:
-        (outs,) = await run_until_disconnect(state.engine, prep.requests, raw)
-    except ClientDisconnected:
+    results = await _results(state, prep, raw)
+    if results is None:
         return Response(status_code=499)
-    except InvalidRequestError as e:
-        raise engine_error(e, prep) from None
+    (outs,) = results
     body = chat_response(state, req, prep, outs, rid)
     session.record(rid, req, prep, outs, body)  # before the agent can see the answer
     if req.stream:
@@ -75,15 +66,33 @@ async def completions(state: ServerState, req: CompletionRequest, raw) -> Respon
     await state.wait_gate()
     prep = prepare_completion(state, req)
     rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+    if req.stream:
+        return _streamed(state, req, prep, _completion_events, rid)
+    results = await _results(state, prep, raw)
+    if results is None:
+        return Response(status_code=499)
+    return JSONResponse(completion_response(state, req, prep, results, rid))
+
+
+async def _results(state: ServerState, prep: Prepared, raw) -> list[list] | None:
+    """Count the prompt tokens, run ``prep``'s requests and return their outputs, per request; None when the client
+    went away first (its requests are aborted, freeing their KV)."""
     state.counters["prompt_tokens"] += sum(len(p) for p in prep.prompt_ids)
     try:
-        if req.stream:
-            stream = state.engine.stream_many(prep.requests)
-            return StreamingResponse(_completion_events(state, req, prep, stream, rid),
-                                     media_type="text/event-stream", background=BackgroundTask(stream.close))
-        results = await run_until_disconnect(state.engine, prep.requests, raw)
+        return await run_until_disconnect(state.engine, prep.requests, raw)
     except ClientDisconnected:
-        return Response(status_code=499)
+        return None
     except InvalidRequestError as e:
         raise engine_error(e, prep) from None
-    return JSONResponse(completion_response(state, req, prep, results, rid))
+
+
+def _streamed(state: ServerState, req, prep: Prepared, events, rid: str) -> StreamingResponse:
+    """Count the prompt tokens, submit ``prep``'s requests, then answer with ``events(state, req, prep, stream, rid)`` (SSE); closing the
+    response closes the stream, which aborts what is still running."""
+    state.counters["prompt_tokens"] += sum(len(p) for p in prep.prompt_ids)
+    try:
+        stream = state.engine.stream_many(prep.requests)
+    except InvalidRequestError as e:
+        raise engine_error(e, prep) from None
+    return StreamingResponse(events(state, req, prep, stream, rid), media_type="text/event-stream",
+                             background=BackgroundTask(stream.close))
