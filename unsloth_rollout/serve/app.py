@@ -31,6 +31,7 @@ from .routes_openai import add_openai_routes
 from .routes_weights import add_weight_routes
 from .settings import ServerSettings
 from .state import ServerState
+from .weight_transfer import parse_weight_transfer_config
 
 
 def create_app(engine, settings: ServerSettings | None = None, **fields) -> FastAPI:
@@ -46,6 +47,7 @@ def create_app(engine, settings: ServerSettings | None = None, **fields) -> Fast
         app = create_app(engine, served_model_name="tiny", api_key="secret")
     """
     settings = ServerSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
+    settings.weight_transfer_config = parse_weight_transfer_config(settings.weight_transfer_config)
     state = ServerState(engine, settings)
 
     @contextlib.asynccontextmanager

@@ -74,16 +74,21 @@ def build_app(args: argparse.Namespace):
     from ..engine import EngineConfig, RolloutEngine
     from ..models import load_model
     from .app import create_app
+    from .weight_transfer import parse_weight_transfer_config
 
     loras = _parse_loras(args.lora)
+    settings = from_namespace(ServerSettings, args, served_model_name=args.served_model_name or [args.model],
+                              model_path=args.model, owns_engine=True)
+    try:  # refused before the model loads
+        parse_weight_transfer_config(settings.weight_transfer_config)
+    except ValueError as e:
+        raise SystemExit(f"--weight-transfer-config: {e}") from None
     policy = load_model(args.model, backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         max_seq_length=args.max_model_len, device=args.device)
     config = from_namespace(EngineConfig, args, names=ENGINE_FLAGS)
     engine = RolloutEngine(policy, config, seed=args.seed)
     for name, path in loras:
         engine.load_lora_adapter(name, path)
-    settings = from_namespace(ServerSettings, args, served_model_name=args.served_model_name or [args.model],
-                              model_path=args.model, owns_engine=True)
     return create_app(engine, settings)
 
 

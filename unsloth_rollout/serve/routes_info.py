@@ -79,7 +79,7 @@ def server_config(state: ServerState) -> dict:
         "lora_config": {"max_lora_rank": cfg.max_lora_rank,
                         "max_loras": cfg.max_loras if cfg.max_loras is not None else 2**31 - 1, "max_cpu_loras": None,
                         "fully_sharded_loras": False, "lora_dtype": "auto"},
-        # None: no NCCL weight-transfer engine (TRL then refuses server-mode full-weight sync at start, by name).
-        "weight_transfer_config": None,
+        # None unless --weight-transfer-config (TRL then refuses server-mode full-weight sync at start, by name).
+        "weight_transfer_config": opts.weight_transfer_config,
         "device_config": {"device": str(policy.device)},
     }

@@ -1,12 +1,12 @@
-"""Weight routes: LoRA adapters by name, full weights from disk, the weight version, and the NCCL weight-transfer
-routes this server refuses by name (501).
+"""Weight routes: LoRA adapters by name, full weights from disk, the weight version, and vLLM's full-weight transfer
+routes (``weight_transfer.py``: over gloo with ``--weight-transfer-config``, 501 naming the alternatives otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..engine import InvalidRequestError
@@ -14,11 +14,7 @@ from ..models.adapters import AdapterNotFoundError
 from .protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, UpdateWeightsFromDiskRequest, \
     UpdateWeightVersionRequest
 from .state import ServerState
-
-# TRL's and vLLM's full-weight NCCL transfer routes: /server_info says weight_transfer_config is null.
-NO_WEIGHT_TRANSFER = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                      "/finish_weight_update", "/init_communicator", "/update_named_param")
-
+from .weight_transfer import install_weight_transfer_routes
 
 def _require_runtime_lora(state: ServerState) -> None:
     if not state.settings.enable_runtime_lora:  # vLLM does not even register these routes then: 404
@@ -115,10 +111,4 @@ def add_weight_routes(app: FastAPI, state: ServerState) -> None:
         engine.set_version(version)
         return {"success": True, "weight_version": version, "message": f"Weight version updated to {version}"}
 
-    async def _no_weight_transfer(raw: Request):
-        raise APIError("full-weight NCCL transfer is not supported by unsloth_rollout serve (weight_transfer_config "
-                       "is null): sync a PEFT adapter with /v1/load_lora_adapter, or full weights from disk with "
-                       "/areal_update_weights", 501, type="NotImplementedError")
-
-    for route in NO_WEIGHT_TRANSFER:
-        app.add_api_route(route, _no_weight_transfer, methods=["POST"], include_in_schema=False)
+    install_weight_transfer_routes(app, state)

@@ -63,6 +63,10 @@ class ServerSettings:
     enable_runtime_lora: bool | None = setting(
         None, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (404 otherwise, as vLLM); default: "
         "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM")
+    weight_transfer_config: dict | str | None = setting(
+        None, "serve vLLM's full-weight transfer routes (TRL's vllm_mode=\"server\" sync): '{\"backend\": \"gloo\"}'; "
+        "vLLM's \"nccl\" backend is refused (default: off, the routes answer 501); create_app checks it "
+        "(weight_transfer.parse_weight_transfer_config)", type=str, metavar="JSON")
     owns_engine: bool = setting(False, "shut the engine down when the app stops", cli=False)
 
     def __post_init__(self):

@@ -46,6 +46,7 @@ class ServerState:
         # Recorded sessions (a trainer's agent episodes, unsloth_rollout.areal.agent_server): an object with
         # ``lookup(raw_request) -> session | None``; a session has ``record(req, prep, outs, body)``.
         self.sessions = None
+        self.weight_receiver = None  # serve.weight_transfer.WeightReceiver when weight transfer is on
 
     @property
     def model_name(self) -> str:

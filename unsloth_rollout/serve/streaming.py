@@ -9,6 +9,7 @@ from ..engine.engine import RequestStream
 from .prepare import Prepared
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .render import _chat_logprobs, _completion_logprobs, _parse, _sse, _text, _tool_finish, _usage
+from .scoring import echo_stream_logprobs
 from .tool_stream import ToolCallStream
 from .tools import StreamGuard
 
@@ -101,7 +102,7 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
     include_usage, continuous = _usage_wanted(req)
     n = prep.n
     total = len(prep.requests) * n
-    sent_prompt, offsets, ntoks = [False] * total, [0] * total, [0] * total
+    sent_prompt, echoed, offsets, ntoks = [False] * total, [False] * total, [0] * total, [0] * total
     guards = [StreamGuard(None) for _ in range(total)]
     texts = [""] * total
     prompt_tokens = sum(len(p) for p in prep.prompt_ids)
@@ -116,12 +117,16 @@ async def _completion_events(state, req: CompletionRequest, prep: Prepared, stre
             texts[idx] += d.text
             text = guards[idx].feed(texts[idx]) if d.finish_reason is None else \
                 guards[idx].finish(None, _text(state, d.output, req))
+            lp_in = (d.token_ids, d.logprobs, d.top_logprobs)
+            if prep.echo_texts is not None and not echoed[idx]:
+                echoed[idx] = True
+                text = prep.echo_texts[k] + text
+                lp_in = echo_stream_logprobs(prep.prompt_ids[k], d)
             choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
                       "stop_reason": d.stop_reason}
             if prep.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(state, prep, d.token_ids, d.logprobs, d.top_logprobs,
-                                                          offsets[idx])
-                offsets[idx] += sum(len(state.token_str(t)) for t in d.token_ids)
+                choice["logprobs"] = _completion_logprobs(state, prep, *lp_in, offsets[idx])
+                offsets[idx] += sum(len(state.token_str(t)) for t in lp_in[0])
             if req.return_token_ids:
                 if not sent_prompt[idx]:
                     choice["prompt_token_ids"] = prep.prompt_ids[k]
