@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineStopped, InvalidRequestError
+from ..logs import get_logger
 from .protocol import APIError, error_body
 from .state import ServerState
 
-logger = logging.getLogger("unsloth_rollout.serve")
+logger = get_logger("unsloth_rollout.serve")
 
 
 def _json_error(status: int, message: str, param: str | None = None, type: str | None = None) -> JSONResponse:
