@@ -37,6 +37,7 @@ from areal.utils import name_resolve, names, stats_tracker
 from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
 from ..engine.omp import release_thread_team
+from ..engine.options import completion_room, logits_width, sampling_from_options
 from ..models import PolicyModel, load_model
 from . import compat
 from ._spec import is_unsloth_backend, parse_unsloth_backend
@@ -44,8 +45,6 @@ from .openai_compat import UnslothModelResponse, patch_openai
 
 logger = get_logger("unsloth_rollout.areal.inference_engine")
 
-# AReaL's "no top-k" value is 1e8; anything at or beyond the vocabulary is "off" here.
-_TOP_K_OFF = int(1e8)
 _ENGINE_CONFIG_KEYS = {f for f in EngineConfig.__dataclass_fields__}
 # Keyword arguments newer AReaL releases pass to submit / rollout_batch / prepare_batch.
 _FORWARD_COMPAT_KWARGS = ("reward_normalization", "drop_incomplete_group", "callback_addr", "proxy_addr")
@@ -228,23 +227,19 @@ class UnslothInferenceEngine(InferenceEngine):
     def _sampling(self, gconfig, max_new_tokens: int) -> SamplingParams:
         if gconfig.use_beam_search:
             raise NotImplementedError("gconfig.use_beam_search: beam search is not supported by the unsloth backend")
-        vocab = len(self.rollout_engine.tokenizer)
-        top_k = int(gconfig.top_k)
-        if top_k <= 0 or top_k >= min(_TOP_K_OFF, vocab):
-            top_k = -1
         greedy = bool(gconfig.greedy) or gconfig.temperature == 0
-        return SamplingParams(
+        return sampling_from_options(dict(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min(int(gconfig.min_new_tokens), max_new_tokens),
             temperature=0.0 if greedy else float(gconfig.temperature),
             top_p=float(gconfig.top_p),
-            top_k=top_k,
+            top_k=int(gconfig.top_k),
             frequency_penalty=float(gconfig.frequency_penalty),
             stop=list(gconfig.stop or []),
             stop_token_ids=[int(t) for t in (gconfig.stop_token_ids or []) if t is not None],
             ignore_eos=bool(gconfig.ignore_eos),
             skip_special_tokens=bool(gconfig.skip_special_tokens),
-        )
+        ), vocab_size=logits_width(self.rollout_engine.policy))
 
     def _served_lora(self, gconfig) -> str | None:
         """The versioned adapter loaded by update_weights_from_disk for this version, if any."""
@@ -270,7 +265,7 @@ class UnslothInferenceEngine(InferenceEngine):
         prompt = [int(t) for t in req.input_ids]
         engine = self.rollout_engine
         max_new_tokens = min(gconfig.max_tokens - len(prompt), gconfig.max_new_tokens,
-                             engine.max_model_len - len(prompt))
+                             completion_room(len(prompt), engine.max_model_len))
         if max_new_tokens <= 0:
             raise RuntimeError(
                 f"max_new_tokens ({max_new_tokens}) is non-positive! max_tokens={gconfig.max_tokens}, "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError, ModelNotServableError, RequestRejected
 from ..logs import get_logger
+from .options import completion_room
 from .request import GenerationOutput, GenerationRequest
 from .sequence import Sequence
 
@@ -45,7 +46,7 @@ def sequences_for(core, req: GenerationRequest, adapters, on_event) -> list[Sequ
     plen = len(prompt.prompt_ids)
     if plen >= limit:
         raise RequestRejected("input_ids", f"the prompt has {plen} tokens; max_model_len is {limit}")
-    longest = min(plen + sp.max_new_tokens, limit)
+    longest = plen + min(sp.max_new_tokens, completion_room(plen, limit))
     if core.scheduler.blocks_for(longest) + 1 > kv.num_blocks:
         raise RequestRejected(
             "max_new_tokens", f"prompt ({plen}) + max_new_tokens ({sp.max_new_tokens}) needs "

@@ -7,7 +7,7 @@ multimodal uuid) caches its image under it: a later part with that uuid and no u
 
 Example::
 
-    policy = MediaPolicy(max_images=4)
+    policy = MediaPolicy(None, allow_remote_images=False, max_images=4, max_image_pixels=1 << 24)
     messages, images = await policy.resolve_messages(messages)   # parts become {"type": "image"}
 """
 
@@ -32,10 +32,12 @@ UUID_CACHE_SIZE = 64  # images kept by their request-given uuid
 
 @dataclass
 class MediaPolicy:
-    allowed_local_media_path: str | None = None
-    allow_remote_images: bool = False
-    max_images: int = 16
-    max_image_pixels: int = 4096 * 4096
+    """Where images may come from and how many / how large (the server's settings: ``ServerSettings``)."""
+
+    allowed_local_media_path: str | None
+    allow_remote_images: bool
+    max_images: int
+    max_image_pixels: int
     max_image_bytes: int = 20 << 20
     fetch_timeout_s: float = 10.0
 

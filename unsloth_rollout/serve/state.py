@@ -10,32 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
 
 from .media import MediaPolicy
 from .metrics import ServerMetrics
 from .protocol import APIError
+from .settings import ServerSettings
 from .tools import pick_parser
-
-
-@dataclass
-class ServerOptions:
-    """Server settings; ``create_app`` takes them as keyword arguments."""
-
-    served_model_names: list[str] = field(default_factory=lambda: ["unsloth-rollout"])
-    model_path: str | None = None
-    api_key: str | None = None
-    media: MediaPolicy = field(default_factory=MediaPolicy)
-    max_n: int = 64
-    max_body_bytes: int = 32 << 20
-    tool_call_parser: str = "auto"
-    default_sampling: dict = field(default_factory=dict)
-    owns_engine: bool = False  # shut the engine down with the app
-    # "raw_logprobs" (the trainer's log_softmax(logits / T)) or "processed_logprobs" (vLLM's --logprobs-mode).
-    logprobs_mode: str = "raw_logprobs"
-    max_logprobs: int = 20  # largest prompt_logprobs (vLLM's --max-logprobs)
-    enable_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's switch)
-    weight_transfer_config: dict | None = None  # {"backend": "gloo", ...}: vLLM's weight-transfer routes served
 
 
 class ClientDisconnected(Exception):
@@ -43,12 +23,19 @@ class ClientDisconnected(Exception):
 
 
 class ServerState:
-    def __init__(self, engine, options: ServerOptions):
+    """What every route shares: the engine, the settings and what they resolve to, counters and metrics."""
+
+    def __init__(self, engine, settings: ServerSettings):
         self.engine = engine
-        self.options = options
+        self.settings = settings
+        policy = engine.policy
+        self.model_path = settings.model_path or getattr(policy, "name_or_path", None)
+        self.model_names = settings.model_names(self.model_path)
+        self.default_sampling = default_sampling(policy) if settings.generation_config == "auto" else {}
         self.tokenizer = engine.tokenizer
-        self.media = options.media
-        self.tool_parser = pick_parser(self.tokenizer, options.tool_call_parser)
+        self.media = MediaPolicy(settings.allowed_local_media_path, settings.allow_remote_images,
+                                 settings.max_images_per_request, settings.max_image_pixels)
+        self.tool_parser = pick_parser(self.tokenizer, settings.tool_call_parser)
         self.counters: collections.Counter = collections.Counter()
         self.metrics = ServerMetrics()
         engine.core.step_observers.append(self.metrics.observe_step)
@@ -63,11 +50,11 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.options.served_model_names[0]
+        return self.model_names[0]
 
     def adapter_for(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the served policy); 404 when unknown."""
-        if not name or name in self.options.served_model_names or name == self.options.model_path:
+        if not name or name in self.model_names or name == self.model_path:
             return None
         if name in self.engine.lora_adapters:
             return name
@@ -96,6 +83,17 @@ class ServerState:
         self.counters["generation_tokens"] += len(out.output_ids)
         self.counters[("finished", out.finish_reason or "unknown")] += 1
         self.metrics.observe_finished(out)
+
+
+def default_sampling(policy) -> dict:
+    """The sampling defaults of the model's generation_config.json (vLLM's ``--generation-config auto``)."""
+    gc = getattr(getattr(policy, "base_model", None), "generation_config", None)
+    try:
+        diff = gc.to_diff_dict() if gc is not None else {}
+    except Exception:
+        return {}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: diff[k] for k in keys if diff.get(k) is not None}
 
 
 async def _wait_disconnect(raw_request) -> None:

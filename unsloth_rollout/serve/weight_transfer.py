@@ -263,9 +263,9 @@ async def _required(raw: Request, key: str):
 
 
 def install_weight_transfer_routes(app, state) -> None:
-    """vLLM's four transfer routes on ``app``: served when ``state.options.weight_transfer_config`` is set, 501
+    """vLLM's four transfer routes on ``app``: served when ``state.settings.weight_transfer_config`` is set, 501
     naming the alternatives otherwise; TRL's ``trl vllm-serve`` routes always answer 501."""
-    config = state.options.weight_transfer_config
+    config = state.settings.weight_transfer_config
 
     async def _off(raw: Request):
         raise APIError("full-weight transfer is off (weight_transfer_config is null): start the server with "

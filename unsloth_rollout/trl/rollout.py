@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from ..engine.options import sampling_from_options
 from ..models import PolicyModel
 from ..rewards import finite_reward
 
@@ -46,12 +47,11 @@ def sampling_params_from_trainer(trainer, n: int) -> SamplingParams:
         sp = sampling_params_from_trainer(trainer, n=trainer.num_generations)
         sp.max_new_tokens == trainer.max_completion_length
     """
-    top_k = getattr(trainer, "top_k", None)
     kw: dict[str, Any] = {
         "max_new_tokens": int(trainer.max_completion_length),
         "temperature": float(trainer.temperature),
         "top_p": float(getattr(trainer, "top_p", None) or 1.0),
-        "top_k": -1 if top_k in (None, 0, -1) else int(top_k),
+        "top_k": getattr(trainer, "top_k", None),
         "min_p": float(getattr(trainer, "min_p", None) or 0.0),
         "repetition_penalty": float(getattr(trainer, "repetition_penalty", None) or 1.0),
         "stop_token_ids": [int(t) for t in getattr(trainer, "eos_token_ids", []) or [] if t is not None],
@@ -63,8 +63,6 @@ def sampling_params_from_trainer(trainer, n: int) -> SamplingParams:
     for key, value in (gk or {}).items():
         if key in _KWARG_FIELDS:
             field = _KWARG_FIELDS[key]
-            if field == "top_k":
-                value = -1 if value in (None, 0, -1) else value
             if field == "stop_token_ids":
                 value = sorted(set(kw["stop_token_ids"]) | set(value or []))
             kw[field] = value
@@ -81,7 +79,7 @@ def sampling_params_from_trainer(trainer, n: int) -> SamplingParams:
                                       f"generation_kwargs.{key} is not supported by the rollout engine; supported: "
                                       f"{sorted(set(_KWARG_FIELDS) | {'eos_token_id', 'do_sample'} | _KWARG_NO_OPS)}")
     try:
-        return SamplingParams(**kw)
+        return sampling_from_options(kw)
     except InvalidRequestError as e:
         raise InvalidRequestError(e.field, f"GRPOConfig / generation_kwargs: {e}") from None
 
