@@ -112,8 +112,8 @@ def test_cli_flags_take_their_defaults_from_the_settings_dataclasses(monkeypatch
 
 # docs/server.md's layout, top to bottom: each module may import only modules after it here.
 LAYERS = ["cli", "app", "guard", "errors", "routes_openai", "routes_info", "routes_control", "routes_weights",
-          "weight_transfer", "completions", "streaming", "render", "prepare", "prompt", "scoring", "structured", "weight_wire", "weights", "state",
-          "metrics", "media", "settings", "tool_stream", "tools", "protocol"]
+          "weight_transfer", "completions", "streaming", "render", "prepare", "prompt", "scoring", "structured",
+          "weights", "state", "metrics", "media", "settings", "tool_stream", "tools", "protocol"]
 
 
 def test_serve_modules_import_one_way():
