@@ -124,6 +124,16 @@ def load_base_weights(policy, weights: BaseWeights) -> int:
     return len(weights.targets)
 
 
+def write_base_tensors(policy, targets: dict[str, torch.nn.Parameter], pairs) -> int:
+    """Copy received ``(name, tensor)`` pairs into the live parameters ``targets`` (from ``base_weights``, checked
+    by the caller for name, dtype and shape); returns how many were written. The weight-transfer receiver's write."""
+    with policy.lock, torch.no_grad():
+        for name, t in pairs:
+            targets[name].copy_(t)
+        policy.clear_rope_deltas()
+    return len(pairs)
+
+
 def load_checkpoint(policy, path: str) -> None:
     """Copy a checkpoint ``ColocatedTrainEngine.save`` wrote into the live parameters: the PEFT adapter
     (``adapter_model.safetensors``) of a PEFT model, else every ``*.safetensors`` tensor the model has."""

@@ -37,6 +37,7 @@ from ..engine import InvalidRequestError
 from .protocol import APIError
 from ..models.weight_wire import (DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_TIMEOUT_S, GlooTransferGroup,
                           broadcast_one_by_one_consumer, packed_broadcast_consumer)
+from ..models import weights as policy_weights
 from .weights import base_weights
 
 PAUSE_HOLDER = "weight_transfer"
@@ -185,10 +186,7 @@ class WeightReceiver:
             def write(pairs):
                 if problem is not None:
                     return  # received and dropped: nothing is written when any tensor does not fit
-                with policy.lock, torch.no_grad():
-                    for name, t in pairs:
-                        targets[name].copy_(t)
-                self.written += len(pairs)
+                self.written += policy_weights.write_base_tensors(policy, targets, pairs)
 
             if packed:
                 packed_broadcast_consumer(metadata, self.group, 0, write, self.buffer_size_bytes)
