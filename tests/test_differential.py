@@ -20,7 +20,8 @@ CI_MIXES = 12
 CI_SEED = 2200
 
 
-def _run(families, count: int, first_seed: int, run_known: bool = False, shrink_budget: int = 25):
+def _run(families, count: int, first_seed: int, run_known: bool = False, shrink_budget: int = 25,
+         progress: bool = False):
     """Run ``count`` mixes; returns (report lines of what failed, names of skipped known defects)."""
     report, skipped = [], {}
     seed = first_seed
@@ -36,6 +37,9 @@ def _run(families, count: int, first_seed: int, run_known: bool = False, shrink_
             continue
         ran += 1
         failures = [(c, m) for c, m in diff.run_mix(mix) if run_known or c not in diff.KNOWN]
+        if progress:  # one line per mix under `pytest -s`: a long run shows where it is
+            print(f"mix {ran}/{count} seed {seed - 1} {mix.family}: {'ok' if not failures else failures[0][0]}",
+                  flush=True)
         if not failures:
             continue
         checks = {c for c, _ in failures}
@@ -54,7 +58,8 @@ def test_differential_seeded_mixes():
 def test_differential_long_run():
     count = int(os.environ.get("DIFFERENTIAL_MIXES", "1000"))
     first = int(os.environ.get("DIFFERENTIAL_SEED", "100000"))
-    report, skipped = _run(ALL_FAMILIES, count, first, run_known=os.environ.get("DIFFERENTIAL_ALL") == "1")
+    report, skipped = _run(ALL_FAMILIES, count, first, run_known=os.environ.get("DIFFERENTIAL_ALL") == "1",
+                           progress=True)
     print(f"skipped draws by known defect: {skipped}")
     assert not report, f"{len(report)} of {count} mixes failed:\n\n" + "\n\n".join(report)
 
