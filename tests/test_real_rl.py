@@ -83,6 +83,8 @@ def _check_steps(name, steps, bound, rows):
         assert s["checked_rows"] in (rows, rows + 1), (name, s)
         assert 0 < s["oracle_diff_max"] <= bound, (name, i, s)
         assert 0 <= s["trainer_drift_max"] <= bound, (name, i, s)
+        # HF generate's own logits on exactly these tokens (forced) are measured and part of the bound's rule
+        assert 0 < s["hf_forced_diff_max"] <= bound / 1.5 + 1e-12, (name, i, s)
         assert s["logprob_diff_max"] <= trainer_bound(s, bound), (name, i, s)
         # the row of the step's largest gap is among the checked ones (for TRL + engine that gap is TRL's own
         # sampling_logp_difference/max: the recompute captured is the one TRL compared)
@@ -93,7 +95,8 @@ def test_three_paths_smoke_through_the_cli(real_checkpoint, tmp_path, capsys):
     """``python -m unsloth_rollout.bench.real_rl`` at a tiny size, all three paths, 2 steps each: the logprob
     checks at every step, and the JSON and plot it writes. The bound is the rule of tests/test_real_checkpoint.py
     (1.5x HF generate()'s own distance from the teacher-forced forward), HF's distance measured in the run: at
-    the start on the base weights and on TRL's own generate path at every step."""
+    the start on the base weights, on TRL's own generate path at every step, and on every path's checked tokens
+    forced through HF generate at every step."""
     pytest.importorskip("areal")
     from unsloth_rollout.bench.real_rl.__main__ import main
 
@@ -136,6 +139,33 @@ def test_trainer_capture_refuses_rows_it_cannot_match():
     assert with_widest([rows[1]], rows, behaviour, trainer) == [rows[1]]
     chk = row_check([[-0.5, -0.3]], [[-0.5, -0.25]], [[-0.5, -0.26]])
     assert chk.oracle == pytest.approx(0.04) and chk.drift == pytest.approx(0.01) and chk.trainer == pytest.approx(0.05)
+    assert chk.hf is None
+    chk = row_check([[-0.5], [-1.0]], [None, None], [[-0.5], None], hf=[[-0.49], [-9.0]])
+    assert chk.hf == pytest.approx(0.01)  # rows without an oracle (empty outputs) are not compared
+
+
+def test_hf_generate_forced_rows_scores_exactly_the_given_tokens(real_checkpoint):
+    """HF generate's own logprobs of given tokens, every token forced: the tokens of rows with unequal prompts and
+    outputs come back in order, within fp32 noise of a teacher-forced forward, and an empty output stays None.
+    An unlikely forced token (not what HF would sample) is scored, not replaced."""
+    import torch
+
+    from unsloth_rollout.bench.real_rl.checks import hf_generate_forced_rows
+    from unsloth_rollout.bench.real_rl.trl_paths import load_policy
+    from unsloth_rollout.testing.oracles import teacher_forced
+
+    policy = load_policy(RunSettings(seed=0))
+    tok = policy.tokenizer
+    p1, p2 = tok("The capital of France is").input_ids, tok("Name a country: Japan. Its capital").input_ids
+    with torch.no_grad():  # the least likely next token of p1 as its first forced output
+        worst = int(policy.model(input_ids=torch.tensor([p1])).logits[0, -1].argmin())
+    rows = [(p1, [worst, 12, 13, 14]), (p2, [42, tok.eos_token_id]), (p2, [])]  # a row that ends with EOS
+    got = hf_generate_forced_rows(policy, rows, 0.7)
+    assert got[2] is None and [len(g) for g in got[:2]] == [4, 2]
+    for (p, o), g in zip(rows[:2], got[:2]):
+        want, _ = teacher_forced(policy, p, o, 0.7)
+        assert (g - want.cpu()).abs().max().item() < 1e-4, (g, want)
+    assert got[0][0].item() < -10  # the forced unlikely token, scored as it is
 
 
 @pytest.mark.slow

@@ -185,12 +185,17 @@ def assemble(meta: dict, results: dict[str, dict]) -> dict:
                                     "(testing.oracles.teacher_forced)",
                  "trainer_drift_max": "max |trainer recomputed logprob - teacher-forced| on the same samples: the "
                                       "trainer's own fp32 distance from the oracle (its batched forward)",
-                 "checked_diff_max": "max |behaviour - trainer recomputed| on the checked samples"},
+                 "checked_diff_max": "max |behaviour - trainer recomputed| on the checked samples",
+                 "hf_forced_diff_max": "max |HF generate's own log_softmax(logits / T) of the same checked tokens "
+                                       "(every token forced, one left-padded batch) - teacher-forced|: HF's fp32 "
+                                       "noise on exactly the rows and weights the behaviour logprobs came from"},
         "logprob_bounds": bnd,
         "logprob_bounds_how": "vs teacher-forced: max(1e-5, 1.5 x HF generate's own distance from it), the rule of "
                               "tests/test_real_checkpoint.py, HF generate's distance measured in this run "
                               f"({distance:.2e} at the start on the base weights, 4 prompts x 4 seeded samples, one "
-                              "prompt at a time; and on trl-generate's checked samples at every step). vs trainer, per "
+                              "prompt at a time; on trl-generate's checked samples at every step; and at every step of "
+                              "every path on exactly its checked tokens and weights, every token forced through HF "
+                              "generate: hf_forced_diff_max). vs trainer, per "
                               "step: the bound vs teacher-forced plus that step's trainer_drift_max; |behaviour - "
                               "trainer| <= |behaviour - oracle| + |oracle - trainer|, and the second term is the "
                               "trainer's, measured on the same rows with the same weights",

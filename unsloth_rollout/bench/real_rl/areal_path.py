@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from .checks import RowCheck, row_check, spread, teacher_forced_rows, with_widest
+from .checks import RowCheck, hf_generate_forced_rows, row_check, spread, teacher_forced_rows, with_widest
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "areal" / "configs" / "smollm2_capitals_cpu_grpo.yaml"
@@ -108,7 +108,8 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
             rows = behaviour_samples(batch, out)
             checked = with_widest(spread(rows, s.oracle_samples), rows, [x[2] for x in rows], [x[3] for x in rows])
             oracle = teacher_forced_rows(trainer.actor.policy, checked, s.temperature)
-            checks.append(row_check([x[2] for x in checked], [x[3] for x in checked], oracle))
+            hf_lp = hf_generate_forced_rows(trainer.actor.policy, checked, s.temperature)
+            checks.append(row_check([x[2] for x in checked], [x[3] for x in checked], oracle, hf_lp))
             checked_rows.append(len(checked))
             check_times.append(time.perf_counter() - t0)
             versions.append(_versions(batch))
@@ -131,6 +132,7 @@ def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None 
             rec = StepRecord(step=i + 1, mean_reward=float(stats[REWARD_KEY]), generation_s=gen, train_s=train,
                              logprob_diff_max=gaps[i] if i < len(gaps) else None,
                              oracle_diff_max=chk.oracle, trainer_drift_max=chk.drift, checked_diff_max=chk.trainer,
+                             hf_forced_diff_max=chk.hf,
                              checked_rows=checked_rows[i] if i < len(checked_rows) else 0, check_s=check,
                              completion_tokens_mean=lengths[i] if i < len(lengths) else None,
                              versions=versions[i] if i < len(versions) else [])

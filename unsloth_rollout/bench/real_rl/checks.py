@@ -28,6 +28,7 @@ class RowCheck:
     oracle: float | None = None  # max |behaviour - teacher-forced|
     drift: float | None = None  # max |trainer - teacher-forced|
     trainer: float | None = None  # max |behaviour - trainer| on the checked rows
+    hf: float | None = None  # max |HF generate's own logprob of the same tokens (forced) - teacher-forced|
 
 
 def teacher_forced_rows(policy, rows, temperature: float) -> list:
@@ -37,16 +38,59 @@ def teacher_forced_rows(policy, rows, temperature: float) -> list:
     return [teacher_forced(policy, list(r[0]), list(r[1]), temperature)[0] if len(r[1]) else None for r in rows]
 
 
+def hf_generate_forced_rows(policy, rows, temperature: float) -> list:
+    """HF ``generate()``'s own ``log_softmax(logits / T)`` of each of ``rows``' sampled tokens (every token forced,
+    one left-padded batch of the rows, as HF generate batches them): HF's fp32 noise on exactly the tokens and
+    weights the behaviour logprobs came from (None for an empty output)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    live = [r for r in rows if len(r[1])]
+    if not live:
+        return [None] * len(rows)
+    tok = policy.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    P = max(len(r[0]) for r in live)
+    forced = [list(r[1]) for r in live]
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            t, out = input_ids.shape[1] - P, torch.full_like(scores, float("-inf"))
+            for b, f in enumerate(forced):
+                out[b, f[t] if t < len(f) else pad] = 0.0
+            return out
+
+    ids = torch.full((len(live), P), pad)
+    am = torch.zeros(len(live), P, dtype=torch.long)
+    for i, r in enumerate(live):
+        ids[i, P - len(r[0]):], am[i, P - len(r[0]):] = torch.tensor(list(r[0])), 1
+    dev, model = policy.device, policy.model
+    with policy.inference(), policy.lock, torch.no_grad():  # the class's generate: not HFGenerateLogprobs' wrapper
+        g = type(model).generate(model, input_ids=ids.to(dev), attention_mask=am.to(dev), do_sample=False,
+                                    max_new_tokens=max(map(len, forced)),
+                                    logits_processor=LogitsProcessorList([Force()]), output_logits=True,
+                                    return_dict_in_generate=True, pad_token_id=pad)
+    new = g.sequences[:, P:].cpu()
+    if any(new[i, :len(f)].tolist() != f for i, f in enumerate(forced)):
+        raise RuntimeError("logprob check: forcing the sampled tokens through HF generate failed")
+    logits = torch.stack(list(g.logits), 1).float().cpu() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+    it = iter(lp[i, :len(f)] for i, f in enumerate(forced))
+    return [next(it) if len(r[1]) else None for r in rows]
+
+
 def _max(pairs) -> float | None:
     vals = [(torch.as_tensor(a, dtype=torch.float32) - torch.as_tensor(b, dtype=torch.float32)).abs().max().item()
             for a, b in pairs if len(a)]
     return max(vals) if vals else None
 
 
-def row_check(behaviour, trainer, oracle) -> RowCheck:
-    """Maxima over rows of three aligned per-row logprob lists (``trainer`` may hold None for rows not scored)."""
+def row_check(behaviour, trainer, oracle, hf=None) -> RowCheck:
+    """Maxima over rows of aligned per-row logprob lists (``trainer`` may hold None for rows not scored; ``hf``:
+    HF generate's own logprobs of the same rows, ``hf_generate_forced_rows``)."""
     ok = [(b, t, o) for b, t, o in zip(behaviour, trainer, oracle) if o is not None]
-    return RowCheck(oracle=_max((b, o) for b, _, o in ok),
+    hf_max = None if hf is None else _max((h, o) for h, o in zip(hf, oracle) if o is not None and h is not None)
+    return RowCheck(hf=hf_max, oracle=_max((b, o) for b, _, o in ok),
                     drift=_max((t, o) for _, t, o in ok if t is not None),
                     trainer=_max((b, t) for b, t, _ in ok if t is not None))
 

@@ -43,36 +43,6 @@ def batched(policy, outs, train: bool, positions: bool, rows=None):
     return [lp[i, :len(o.output_ids)] for i, o in enumerate(outs)]
 
 
-def hf_generate_forced(policy, outs):
-    """HF generate()'s own logprobs of each output's tokens: one left-padded batch, every token forced."""
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    tok = policy.tokenizer
-    P = max(len(o.prompt_ids) for o in outs)
-    forced = [list(o.output_ids) for o in outs]
-
-    class Force(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            t, out = input_ids.shape[1] - P, torch.full_like(scores, float("-inf"))
-            for b, f in enumerate(forced):
-                out[b, f[t] if t < len(f) else tok.pad_token_id] = 0.0
-            return out
-
-    ids, am = torch.full((len(outs), P), tok.pad_token_id), torch.zeros(len(outs), P, dtype=torch.long)
-    for i, o in enumerate(outs):
-        ids[i, P - len(o.prompt_ids):], am[i, P - len(o.prompt_ids):] = torch.tensor(list(o.prompt_ids)), 1
-    with policy.lock, torch.no_grad():
-        g = policy.model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max(map(len, forced)),
-                                  do_sample=False, logits_processor=LogitsProcessorList([Force()]),
-                                  output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-    new = g.sequences[:, P:]
-    if any(new[i, :len(f)].tolist() != f for i, f in enumerate(forced)):
-        raise RuntimeError("forcing the engine's tokens through HF generate failed")
-    lp = _lp(torch.stack(list(g.logits), 1), new)
-    return [lp[i, :len(f)] for i, f in enumerate(forced)]
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
@@ -83,6 +53,7 @@ def main(argv=None) -> None:
 
     from ...engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
     from ...testing.oracles import teacher_forced
+    from .checks import hf_generate_forced_rows
     from .settings import RunSettings
     from .task import capital_rows
     from .trl_paths import load_policy
@@ -107,7 +78,8 @@ def main(argv=None) -> None:
                   f"{'from the mask' if pos else '0..L-1     '} {dist(batched(policy, outs, train, pos)):.2e}")
     groups = [batched(policy, outs[g:g + 8], False, False) for g in range(0, len(outs), 8)]
     print(f"  each prompt's 8 rows batched, no left pad   {dist([x for g in groups for x in g]):.2e}")
-    print(f"  HF generate()'s own logits, tokens forced     {dist(hf_generate_forced(policy, outs)):.2e}")
+    forced = hf_generate_forced_rows(policy, [(o.prompt_ids, o.output_ids) for o in outs], 1.0)
+    print(f"  HF generate()'s own logits, tokens forced     {dist(forced):.2e}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def summarize(records: list[StepRecord]) -> dict:
     diffs = [r.logprob_diff_max for r in records if r.logprob_diff_max is not None]
     oracle = [r.oracle_diff_max for r in records if r.oracle_diff_max is not None]
     drift = [r.trainer_drift_max for r in records if r.trainer_drift_max is not None]
+    forced = [r.hf_forced_diff_max for r in records if r.hf_forced_diff_max is not None]
     w = min(WINDOW, len(records))
     return {
         "steps": len(records),
@@ -34,32 +35,38 @@ def summarize(records: list[StepRecord]) -> dict:
         "logprob_diff_max": max(diffs) if diffs else None, "logprob_checked_steps": len(diffs),
         "oracle_diff_max": max(oracle) if oracle else None, "oracle_checked_steps": len(oracle),
         "trainer_drift_max": max(drift) if drift else None,
+        "hf_forced_diff_max": max(forced) if forced else None,
         "oracle_checked_rows": sum(r.checked_rows for r in records),
     }
 
 
 def bounds(distance_start: float, summaries: dict[str, dict]) -> dict:
     """The fp32 bound against the teacher-forced forward, by the rule of tests/test_real_checkpoint.py:
-    max(1e-5, 1.5 x HF generate's own distance from it), HF's distance measured in this run (at the start on the
-    base weights, and on every checked row of TRL's own generate path at every step, as many rows as the engine
-    paths check). Against the trainer's recompute the bound is per step (``trainer_bound``)."""
+    max(1e-5, 1.5 x HF generate's own distance from it), HF's distance measured in this run: at the start on the
+    base weights, on every checked row of TRL's own generate path at every step, and, at every step of every
+    path, on exactly the tokens that path checked (HF generate's own logits, every token forced:
+    ``hf_forced_diff_max``). Maxima over as many rows as the engine paths check, on the same weights. Against the
+    trainer's recompute the bound is per step (``trainer_bound``)."""
     from .bound import fp32_bound
 
     base = summaries.get("trl-generate") or {}
-    hf_oracle = max([distance_start] + ([base["oracle_diff_max"]] if base.get("oracle_diff_max") is not None else []))
+    own = [base["oracle_diff_max"]] if base.get("oracle_diff_max") is not None else []
+    forced = {k: v["hf_forced_diff_max"] for k, v in summaries.items() if v.get("hf_forced_diff_max") is not None}
+    hf_oracle = max([distance_start] + own + list(forced.values()))
     return {"vs_teacher_forced": fp32_bound(hf_oracle), "hf_generate_vs_teacher_forced": hf_oracle,
             "hf_generate_vs_teacher_forced_start": distance_start,
             "hf_generate_checked_rows": base.get("oracle_checked_rows", 0),
+            "hf_generate_forced_on_each_paths_rows": forced,
             "vs_trainer": "per step: vs_teacher_forced + that step's trainer_drift_max (the trainer's own distance "
                           "from the teacher-forced forward on the same rows)"}
 
 
-def trainer_bound(step: dict, bound_vs_teacher_forced: float) -> float | None:
+def trainer_bound(step: dict, bound_vs_teacher_forced: float | None) -> float | None:
     """A step's bound on |behaviour - trainer|: the behaviour side may be ``bound_vs_teacher_forced`` from the
     oracle, the trainer's recompute is ``trainer_drift_max`` from it (measured on the same rows): |a - b| is at
     most their sum."""
     drift = step.get("trainer_drift_max")
-    return None if drift is None else bound_vs_teacher_forced + drift
+    return None if drift is None or bound_vs_teacher_forced is None else bound_vs_teacher_forced + drift
 
 
 def within(records: list[dict], key: str, bound) -> bool | None:
@@ -190,7 +197,9 @@ def markdown(rec: dict) -> str:
     ends = ", ".join(f"{k} {v.get('load_average_end')}" for k, v in rec["paths"].items())
     lines += ["", f"Load average (1, 5, 15 min) at the start {m.get('load_average_start')}, at each path's end: {ends}."]
     lines += ["", f"fp32 bound vs teacher-forced: {f(b['vs_teacher_forced'], '.1e')} (1.5x HF generate's own "
-                  f"{f(b['hf_generate_vs_teacher_forced'], '.1e')}); vs trainer, per step: that plus the trainer's own "
+                  f"{f(b['hf_generate_vs_teacher_forced'], '.1e')}, its largest distance in the run: at the start, on "
+                  "trl-generate's checked rows, and on every path's checked tokens forced through it); vs trainer, "
+                  "per step: that plus the trainer's own "
                   "distance from the teacher-forced forward on the same rows (the trainer drift column).", ""]
     for name, c in crit.items():
         if not isinstance(c, dict):

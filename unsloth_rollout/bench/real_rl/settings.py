@@ -86,6 +86,7 @@ class StepRecord:
     oracle_diff_max: float | None = None  # max |behaviour logprob - teacher-forced fp32 forward| (checked rows)
     trainer_drift_max: float | None = None  # max |trainer recomputed - teacher-forced| (the same checked rows)
     checked_diff_max: float | None = None  # max |behaviour - trainer recomputed| on the checked rows
+    hf_forced_diff_max: float | None = None  # max |HF generate's own logprob of the same tokens - teacher-forced|
     checked_rows: int = 0  # rows checked against the teacher-forced forward this step
     check_s: float = 0.0  # wall seconds of the oracle check (not in generation_s or train_s)
     completion_tokens_mean: float | None = None  # mean completion length in tokens (EOS included)

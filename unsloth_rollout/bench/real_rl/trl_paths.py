@@ -14,8 +14,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from .checks import (HFGenerateLogprobs, RowCheck, TrainerLogprobs, match_rows, row_check, spread,
-                     teacher_forced_rows, with_widest)
+from .checks import (HFGenerateLogprobs, RowCheck, TrainerLogprobs, hf_generate_forced_rows, match_rows, row_check,
+                     spread, teacher_forced_rows, with_widest)
 from .settings import RunSettings, StepRecord, num_layers, resolve_model
 from .task import capital_rows, trl_capital_reward, trl_dataset
 
@@ -89,6 +89,7 @@ class _StepTimer:
         rec = StepRecord(step=step, mean_reward=float(logs["reward"]), generation_s=gen, train_s=wall - gen - check,
                          logprob_diff_max=None if diff is None else float(diff),
                          oracle_diff_max=chk.oracle, trainer_drift_max=chk.drift, checked_diff_max=chk.trainer,
+                         hf_forced_diff_max=chk.hf,
                          checked_rows=self.checked_rows[i] if i < len(self.checked_rows) else 0, check_s=check,
                          completion_tokens_mean=self.comp_lens[i] if i < len(self.comp_lens) else None,
                          versions=list(versions))
@@ -132,10 +133,11 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
         extra = with_widest(checked, samples, [x[2] for x in samples], trainer_lp)[len(checked):]
         oracle = oracle + teacher_forced_rows(policy, extra, s.temperature)
         checked = checked + extra
+        hf_lp = hf_generate_forced_rows(policy, checked, s.temperature)
         timer.check_times[-1] += time.perf_counter() - t0
         timer.checked_rows[-1] = len(checked)
         by_row = dict(zip(map(id, samples), trainer_lp))
-        timer.checks.append(row_check([x[2] for x in checked], [by_row[id(x)] for x in checked], oracle))
+        timer.checks.append(row_check([x[2] for x in checked], [by_row[id(x)] for x in checked], oracle, hf_lp))
 
     recompute = TrainerLogprobs(trainer, grad=not engine_path, on_rows=on_trainer_rows)
     generate = trainer._generate
@@ -144,7 +146,7 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
         t0 = time.perf_counter()
         res = generate(prompts)
         timer.gen_times.append(time.perf_counter() - t0)
-        prompt_ids, completion_ids = res[0], res[1]
+        completion_ids = res[1]
         timer.comp_lens.append(sum(len(c) for c in completion_ids) / max(1, len(completion_ids)))
         # The oracle runs before this step's optimizer update, on the weights that sampled.
         t1 = time.perf_counter()
@@ -174,4 +176,5 @@ def progress_line(name: str, rec: StepRecord, steps: int) -> None:
 
     print(f"[{name}] step {rec.step}/{steps}  reward {rec.mean_reward:.3f}  generation {rec.generation_s:.1f} s  "
           f"train {rec.train_s:.1f} s  max|dlogp| vs trainer {fmt(rec.logprob_diff_max)}, vs teacher-forced "
-          f"{fmt(rec.oracle_diff_max)}", file=sys.stderr, flush=True)
+          f"{fmt(rec.oracle_diff_max)} (HF generate on the same tokens {fmt(rec.hf_forced_diff_max)})",
+          file=sys.stderr, flush=True)
