@@ -118,6 +118,25 @@ def test_vlm_run_in_process():
     assert "text-only" in skipped["transformers-cb"]
 
 
+def test_captured_engine_runs_beside_the_eager_one():
+    """``--backends engine,engine-static``: the captured decode is a bench backend of its own, opt-in (not in the
+    default list), its samples as many tokens as the eager engine's, drift <= 1e-5 against the
+    teacher-forced forward, no recompile after its warm-up."""
+    from unsloth_rollout.bench import run_bench
+    from unsloth_rollout.bench.backends import DEFAULT_BACKENDS
+
+    assert "engine-static" not in DEFAULT_BACKENDS and "engine" in DEFAULT_BACKENDS
+    report = run_bench("tiny-lm", prompts=2, group=2, max_new_tokens=6, backends=["engine", "engine-static"],
+                       drift_samples=4, progress=False)
+    rows = {r["backend"]: r for r in report["results"]}
+    assert set(rows) == {"engine", "engine-static"}, report["skipped"]
+    assert rows["engine-static"]["output_tokens"] == rows["engine"]["output_tokens"]
+    assert rows["engine-static"]["logprob_drift"] <= 1e-5
+    st = rows["engine-static"]["engine_stats"]
+    assert st["decode_recompiles"] == 0 and st["decode_warmup_s"] > 0, st
+    assert any("captured decode" in n for n in rows["engine-static"]["notes"])
+
+
 def test_a_failing_engine_makes_the_bench_fail(monkeypatch, capsys):
     """A backend that raises (the engine included) is reported and the command exits non-zero."""
     from unsloth_rollout.bench import __main__ as cli

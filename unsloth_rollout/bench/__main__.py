@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from .backends import BACKENDS
+from .backends import DEFAULT_BACKENDS
 from ..testing.toy import MODELS
 from .long import LONG_DEFAULTS
 from .overhead import OVERHEAD_DEFAULTS
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated; those that cannot run here are listed with the reason (default "
-                        f"{','.join(BACKENDS)}; for --workload long the engine's decode backends "
+                        f"{','.join(DEFAULT_BACKENDS)}; also engine-static, the engine with the captured decode; for --workload long the engine's decode backends "
                         f"{','.join(LONG_DEFAULTS['backends'])}; add 'static' for the captured decode beside the "
                         "eager ones)")
     p.add_argument("--contexts", default=",".join(map(str, LONG_DEFAULTS["contexts"])),
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "long":
         return _main_long(args)
     if args.backends is None:
-        args.backends = ",".join(BACKENDS)
+        args.backends = ",".join(DEFAULT_BACKENDS)
     try:
         report = run_bench(
             model=args.model, workload=args.workload, prompts=args.prompts, group=args.group,

@@ -113,14 +113,18 @@ class Backend:
 # ============================================================================ engine
 class EngineBackend(Backend):
     name = "engine"
+    decode_backend = "workspace"  # the engine's default decode (EngineConfig.decode_backend)
 
     def setup(self, ctx):
         from ..engine import EngineConfig, RolloutEngine
 
         n = len(ctx.workload.requests)
+        t = time.perf_counter()
         self.engine = RolloutEngine(ctx.policy, EngineConfig(kv_cache_memory_bytes=ctx.kv_cache_bytes,
-                                                             max_num_seqs=max(256, n)),
+                                                             max_num_seqs=max(256, n),
+                                                             decode_backend=self.decode_backend),
                                     seed=ctx.workload.seed)
+        self.setup_s = time.perf_counter() - t
 
     def _request(self, ctx, r: BenchRequest, max_new_tokens: int | None = None):
         from ..engine import GenerationRequest, SamplingParams
@@ -154,12 +158,23 @@ class EngineBackend(Backend):
         notes = [(f"prefix-cache hits {st.get('prefix_cache_hits')}, steps {st.get('steps')}, "
                   f"preemptions {st.get('num_preemptions')}; peak memory includes the preallocated "
                   f"{st['kv_cache_bytes'] / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
+        if self.decode_backend == "static":
+            notes.append(f"captured decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
+                         f"timed), {st.get('decode_recompiles')} recompiles after it, "
+                         f"{st.get('decode_eager_steps')} steps run eager")
         return RunOutput(samples, notes, extra={"engine_stats": {k: v for k, v in st.items()
                                                                  if isinstance(v, (int, float, bool))}})
 
     def teardown(self, ctx):
         self.engine.shutdown()
         del self.engine
+
+
+class EngineStaticBackend(EngineBackend):
+    """The same engine with the captured decode step (``decode_backend="static"``), beside the eager one."""
+
+    name = "engine-static"
+    decode_backend = "static"
 
 
 # ============================================================================ HF generate
@@ -477,5 +492,8 @@ def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int
 
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (EngineBackend, HFSequentialBackend, HFBatchedBackend, TransformersCBBackend, VLLMBackend,
-                        SGLangBackend)
+                        SGLangBackend, EngineStaticBackend)
 }
+# What runs without --backends: every backend but the captured engine, which is opt-in (its compile at engine
+# start, and on this CPU no faster than the eager decode on the default workload: benchmarks/cpu/captured.md).
+DEFAULT_BACKENDS = [b for b in BACKENDS if b != EngineStaticBackend.name]
