@@ -27,8 +27,6 @@ def os_threads() -> int:
 def native_threads() -> int:
     """OS threads of this process that Python did not start (OpenMP's team among them), once the count is steady:
     a Python thread of an earlier test that is exiting (an engine worker leaving when idle) cannot shift it."""
-    import time
-
     last = None
     for _ in range(100):
         n = os_threads() - threading.active_count()

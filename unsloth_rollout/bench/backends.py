@@ -113,18 +113,16 @@ class Backend:
 # ============================================================================ engine
 class EngineBackend(Backend):
     name = "engine"
-    decode_backend = "workspace"  # the engine's default decode (EngineConfig.decode_backend)
+    decode_backend: str | None = None  # EngineConfig.decode_backend; None: the engine's default
 
     def setup(self, ctx):
         from ..engine import EngineConfig, RolloutEngine
 
         n = len(ctx.workload.requests)
-        t = time.perf_counter()
+        decode = {} if self.decode_backend is None else {"decode_backend": self.decode_backend}
         self.engine = RolloutEngine(ctx.policy, EngineConfig(kv_cache_memory_bytes=ctx.kv_cache_bytes,
-                                                             max_num_seqs=max(256, n),
-                                                             decode_backend=self.decode_backend),
+                                                             max_num_seqs=max(256, n), **decode),
                                     seed=ctx.workload.seed)
-        self.setup_s = time.perf_counter() - t
 
     def _request(self, ctx, r: BenchRequest, max_new_tokens: int | None = None):
         from ..engine import GenerationRequest, SamplingParams

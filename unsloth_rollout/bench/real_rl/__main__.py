@@ -188,7 +188,8 @@ def assemble(meta: dict, results: dict[str, dict]) -> dict:
                  "checked_diff_max": "max |behaviour - trainer recomputed| on the checked samples",
                  "hf_forced_diff_max": "max |HF generate's own log_softmax(logits / T) of the same checked tokens "
                                        "(every token forced, one left-padded batch) - teacher-forced|: HF's fp32 "
-                                       "noise on exactly the rows and weights the behaviour logprobs came from"},
+                                       "noise on exactly the rows and weights the behaviour logprobs came from (trl-generate: "
+                                       "its behaviour logprobs, HF generate's own)"},
         "logprob_bounds": bnd,
         "logprob_bounds_how": "vs teacher-forced: max(1e-5, 1.5 x HF generate's own distance from it), the rule of "
                               "tests/test_real_checkpoint.py, HF generate's distance measured in this run "

@@ -133,7 +133,9 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
         extra = with_widest(checked, samples, [x[2] for x in samples], trainer_lp)[len(checked):]
         oracle = oracle + teacher_forced_rows(policy, extra, s.temperature)
         checked = checked + extra
-        hf_lp = hf_generate_forced_rows(policy, checked, s.temperature)
+        # HF generate's own logprobs of the same tokens: on TRL's own generate path they are the behaviour ones
+        # (HF generate sampled these tokens), so only the engine path forces them through HF generate
+        hf_lp = hf_generate_forced_rows(policy, checked, s.temperature) if engine_path else [x[2] for x in checked]
         timer.check_times[-1] += time.perf_counter() - t0
         timer.checked_rows[-1] = len(checked)
         by_row = dict(zip(map(id, samples), trainer_lp))
