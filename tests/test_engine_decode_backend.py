@@ -65,6 +65,33 @@ def test_workspace_rows_follow_the_pool_through_joins_leaves_and_new_incarnation
     assert ws.rows == 0 and ws.memory_bytes == 0
 
 
+def test_workspace_grows_once_to_the_hinted_batch_within_its_budget():
+    """With the core's hint (rows that may still join, the longest length a row may reach) the rows are sized
+    once, not at every join and every 25% of context; a hint past the budget is not followed; rows stay exact."""
+    torch.manual_seed(0)
+    cache = KVCache(2, 2, 4, num_blocks=80, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn_like(t))
+    tables = {(s, 0): cache.allocate(12) for s in "abcdef"}
+
+    def grow_through(ws, hint):
+        for n_rows, length in ((2, 5), (4, 9), (6, 20), (6, 40)):
+            keys = list(tables)[:n_rows]
+            ws.arrange(keys, [length] * n_rows, [tables[k] for k in keys], hint)
+            assert ws._ensure(n_rows, length + 1)
+            _rows_equal_pool(ws, cache, {k: tables[k] for k in keys})
+        return ws
+
+    hinted = grow_through(DecodeWorkspace(cache, min_capacity=4), (6, 44))
+    plain = grow_through(DecodeWorkspace(cache, min_capacity=4), None)
+    assert hinted.grows == 1 and hinted.k[0].shape[:1] == (6,) and hinted.k[0].shape[2] >= 45
+    assert plain.grows >= 3
+    # A budget too small for the hint: the rows hold the batch, as without one.
+    per = hinted.bytes_per_position
+    tight = grow_through(DecodeWorkspace(cache, min_capacity=4, budget_bytes=6 * 48 * per), (64, 1000))
+    assert tight.memory_bytes <= 6 * 48 * per and not tight.gathering
+
+
 def _core(policy, backend: str, kv_tokens: int | None = None, **kw) -> EngineCore:
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     budget = per_token * kv_tokens if kv_tokens else 64 << 20

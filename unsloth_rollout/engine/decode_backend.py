@@ -52,6 +52,10 @@ class DecodeWorkspace:
         self.moves = 0  # rows moved to keep the rows compacted
         self.fallbacks = 0  # decode steps that gathered because the batch did not fit the budget
         self.peak_bytes = 0  # the most the rows ever held
+        self.grows = 0  # times the rows were reallocated (each copies every held row)
+        # (rows, length) the batch may reach: rows that may still join, the longest length a row may reach
+        # (``arrange``'s hint; growth aims there first, within the budget)
+        self.hint: tuple[int, int] | None = None
 
     @property
     def rows(self) -> int:
@@ -67,11 +71,18 @@ class DecodeWorkspace:
 
     # ------------------------------------------------------------------ storage
     def _shape(self, rows: int, length: int, cur_r: int, cur_c: int) -> tuple[int, int] | None:
-        """The (rows, capacity) to grow to: with headroom (rows doubled, capacity +25% in steps of 128) when the
-        budget allows, else the least that holds this batch (spare rows and positions dropped), else None."""
+        """The (rows, capacity) to grow to: first what the hint says the batch may reach (the rows that may still
+        join; the longest length a row may reach, at most twice this length or 256 more), then headroom (rows
+        doubled, capacity +25% in steps of 128), when the budget allows; else the least that holds this batch
+        (spare rows and positions dropped), else None."""
         grow_r = max(rows, 2 * cur_r, 8) if rows > cur_r else cur_r
         grow_c = -(-max(length, cur_c + cur_c // 4, self.min_capacity) // 128) * 128 if length > cur_c else cur_c
-        for r, c in ((grow_r, grow_c), (rows, grow_c), (rows, -(-length // 128) * 128), (rows, -(-length // 16) * 16)):
+        shapes = [(grow_r, grow_c), (rows, grow_c), (rows, -(-length // 128) * 128), (rows, -(-length // 16) * 16)]
+        if self.hint is not None:
+            hint_r = max(rows, cur_r, self.hint[0])
+            hint_c = max(cur_c, -(-max(length, min(self.hint[1] + 1, max(2 * length, length + 256))) // 16) * 16)
+            shapes = [(hint_r, hint_c), (rows if rows > cur_r else cur_r, hint_c)] + shapes
+        for r, c in shapes:
             if r * c * self.bytes_per_position <= self.budget_bytes:
                 return r, c
         return None
@@ -100,6 +111,7 @@ class DecodeWorkspace:
                 else:
                     store.append(t)
         self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+        self.grows += 1
         return True
 
     def _fill(self, row: int, block_table: list[int], length: int) -> None:
@@ -128,10 +140,13 @@ class DecodeWorkspace:
         self.lengths.pop()
 
     # ------------------------------------------------------------------ the two calls
-    def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]]) -> list[int] | None:
+    def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
+                hint: tuple[int, int] | None = None) -> list[int] | None:
         """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
         arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i. None
-        (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget."""
+        (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget. ``hint``:
+        (rows, length) the batch may reach, so that the rows grow once where the budget allows."""
+        self.hint = hint
         want = {k: i for i, k in enumerate(keys)}
         if len(want) != len(keys):
             raise ValueError("decode batch holds the same sequence twice")
