@@ -114,12 +114,15 @@ class Backend:
 class EngineBackend(Backend):
     name = "engine"
     decode_backend: str | None = None  # EngineConfig.decode_backend; None: the engine's default
+    shared_prefix_decode: bool | None = None  # EngineConfig.shared_prefix_decode; None: the engine's default
 
     def setup(self, ctx):
         from ..engine import EngineConfig, RolloutEngine
 
         n = len(ctx.workload.requests)
         decode = {} if self.decode_backend is None else {"decode_backend": self.decode_backend}
+        if self.shared_prefix_decode is not None:
+            decode["shared_prefix_decode"] = self.shared_prefix_decode
         self.engine = RolloutEngine(ctx.policy, EngineConfig(kv_cache_memory_bytes=ctx.kv_cache_bytes,
                                                              max_num_seqs=max(256, n), **decode),
                                     seed=ctx.workload.seed)
@@ -173,6 +176,14 @@ class EngineStaticBackend(EngineBackend):
 
     name = "engine-static"
     decode_backend = "static"
+
+
+class EngineWholeRowsBackend(EngineBackend):
+    """The same engine with every decode row holding its whole history (``shared_prefix_decode=False``): what
+    reading each GRPO group's prompt once per step saves."""
+
+    name = "engine-whole-rows"
+    shared_prefix_decode = False
 
 
 # ============================================================================ HF generate
@@ -490,8 +501,8 @@ def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int
 
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (EngineBackend, HFSequentialBackend, HFBatchedBackend, TransformersCBBackend, VLLMBackend,
-                        SGLangBackend, EngineStaticBackend)
+                        SGLangBackend, EngineStaticBackend, EngineWholeRowsBackend)
 }
-# What runs without --backends: every backend but the captured engine, which is opt-in (its compile at engine
-# start, and on this CPU no faster than the eager decode on the default workload: benchmarks/cpu/captured.md).
-DEFAULT_BACKENDS = [b for b in BACKENDS if b != EngineStaticBackend.name]
+# What runs without --backends: every backend but two opt-in variants of the engine: the captured decode (it
+# compiles at engine start: benchmarks/cpu/captured.md) and whole rows (shared prefixes off, for comparison).
+DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineStaticBackend.name, EngineWholeRowsBackend.name)]

@@ -59,6 +59,11 @@ class ForwardContext:
     check: bool = True  # count cache use (off inside a compiled region)
     segment: torch.Tensor | None = None
     inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
+    # decode over rows that hold only their own positions: the shared prefixes they attend to as well
+    # (decode_backend.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
+    prefix: object | None = None
+    # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
+    seen: set = field(default_factory=set)
     writes: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)
     returned: dict = field(default_factory=dict)
@@ -175,6 +180,8 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
     inner = ctx.inner
+    if ctx.check:
+        ctx.seen.add((window, kwargs.get("softcap") is not None))
     if inner == "eager" or (kwargs.get("softcap") is not None and inner == "fused"):
         # The modeling file's own eager attention (soft-capping, scaling, GQA as the model defines them),
         # fed the additive mask transformers' eager path uses.
@@ -187,6 +194,11 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     mask = None if fast else ctx.mask(window)
     b, h, q, d = query.shape
     kvh = key.shape[1]
+    if ctx.prefix is not None:
+        if q != 1 or window is not None or kwargs.get("softcap") is not None:
+            raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prefix decode step reached a layer "
+                                            "with a sliding window or soft-capping")
+        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx), None
     if q == 1 and kvh != h and mask is not None:
         # One query per row (decode): the G = H / KV query heads that share a KV head become G query rows of
         # that head, so each row's history is read once per KV head, in place. With a mask, SDPA's own GQA
@@ -199,6 +211,40 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
         enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _flash(q, k, v, mask, scale):
+    """CPU flash attention with its log-sum-exp (what SDPA runs on CPU, minus the LSE it drops)."""
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                      scale=scale)
+
+
+def shared_prefix_decode(query, key, value, mask, scaling, pb, layer_idx):
+    """A decode step's attention when rows hold only their own positions and several rows share a prefix.
+
+    Each row attends to its own positions (``key`` / ``value``: the rows' ``[B, KV, L, D]``, ``mask``) and, when
+    it has one, to its prefix entry's positions: all the rows of an entry go in as query rows of one attention
+    over the entry's keys, so a GRPO group's prompt is read once per step instead of once per sample. The two
+    softmaxes are merged exactly by their log-sum-exps (``o = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2)``, as flash
+    attention merges key blocks). Grouped-query heads as in the plain decode: query head i reads KV head i // G."""
+    b, h, _, d = query.shape
+    kvh = key.shape[1]
+    g = h // kvh
+    qg = query.reshape(b, kvh, g, d)
+    o1, l1 = _flash(qg, key, value, mask, scaling)  # [B, KV, G, D], [B, KV, G]
+    pk, pv = pb.pk[layer_idx][:pb.n, :, :pb.pmax], pb.pv[layer_idx][:pb.n, :, :pb.pmax]
+    qp = qg[pb.q_index]  # [n, m, KV, G, D]: each entry's rows
+    qp = qp.permute(0, 2, 1, 3, 4).reshape(pb.n, kvh, pb.m * g, d)
+    o2, l2 = _flash(qp, pk.to(query.dtype), pv.to(query.dtype), pb.mask.to(query.dtype), scaling)
+    o2 = o2.view(pb.n, kvh, pb.m, g, d).permute(0, 2, 1, 3, 4)[pb.entry, pb.slot]  # back to rows: [B, KV, G, D]
+    l2 = l2.view(pb.n, kvh, pb.m, g).permute(0, 2, 1, 3)[pb.entry, pb.slot]
+    l2 = l2.masked_fill(pb.alone.view(b, 1, 1), float("-inf"))
+    top = torch.maximum(l1, l2)
+    w1, w2 = (l1 - top).exp().unsqueeze(-1), (l2 - top).exp().unsqueeze(-1)
+    out = (o1 * w1 + torch.where(w2 > 0, o2, 0.0) * w2) / (w1 + w2)
+    return out.to(query.dtype).reshape(b, 1, h, d)
 
 
 def register() -> None:

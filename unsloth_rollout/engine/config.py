@@ -185,7 +185,10 @@ class EngineConfig:
             (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
             history; the default) or "gather" (every row's history gathered from the paged pool each step).
             Memory: the workspace holds the running rows' history a second
-            time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``.
+            time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``. Rows that
+            share a prompt's KV blocks (the samples of one GRPO prompt) hold the shared positions once, and
+            attention reads them once per step for all of them (CPU, full-attention SDPA models;
+            ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``, ``["decode_prefix_steps"]``).
             "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
             step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
             (``stats()["decode_warmup_s"]``: one decoder layer's compile, ~30 s on a loaded 2-core CPU whatever the
@@ -195,6 +198,11 @@ class EngineConfig:
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
             gather path instead: same tokens, memory bounded, never a preemption. ``stats()``:
             ``decode_workspace_bytes`` (held now), ``decode_workspace_peak_bytes``, ``decode_workspace_fallbacks``.
+        shared_prefix_decode: with the workspace backend, rows that share a prompt's full KV blocks (the samples
+            of one GRPO prompt, through the prefix cache) hold those positions once, and each decode step reads
+            them once for all of those rows, merging the two attentions exactly by their log-sum-exps
+            (``attention.shared_prefix_decode``). Served on CPU for models whose every layer attends with SDPA
+            arithmetic over its whole history; elsewhere (and when False) every row holds its whole history.
         max_lora_rank: adapters loaded by name (``load_lora_adapter``) with a higher LoRA rank are refused, as
             vLLM's ``--max-lora-rank`` refuses them (vLLM's default is 16, sized for its kernels' buffers; here a
             rank costs only its memory, so the default is 256). The policy's own adapter is not bound by it.
@@ -215,6 +223,7 @@ class EngineConfig:
     compile_mode: str | None = None
     decode_backend: str = "workspace"
     decode_workspace_bytes: int | None = None
+    shared_prefix_decode: bool = True
     max_lora_rank: int = 256
     max_loras: int | None = None
 
@@ -236,6 +245,8 @@ class EngineConfig:
         _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
                                                         and self.decode_workspace_bytes >= 0),
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
+        _check(isinstance(self.shared_prefix_decode, bool), "shared_prefix_decode",
+               f"must be True or False, got {self.shared_prefix_decode!r}")
         _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
                f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
         _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",

@@ -35,9 +35,23 @@ DECODE_BACKENDS = ("gather", "workspace", "static")
 class DecodeWorkspace:
     """Per-layer ``[rows, H, capacity, D]`` key and value rows of the sequences now decoding."""
 
-    def __init__(self, cache: KVCache, min_capacity: int = 256, budget_bytes: int | None = None):
+    def __init__(self, cache: KVCache, min_capacity: int = 256, budget_bytes: int | None = None,
+                 shared_prefix: bool = False, min_prefix: int = 32):
         self.cache = cache
         self.min_capacity = min_capacity
+        # Shared prefixes (``shared_prefix``): rows whose sequences share their leading full KV blocks (a GRPO
+        # group's samples of one prompt, through the prefix cache) hold only their own positions; the shared
+        # ones are held once, in the prefix store, and attention reads them once for all the rows that share them.
+        self.shared_prefix = shared_prefix
+        self.min_prefix = min_prefix  # fewest shared positions worth a prefix entry
+        self.origins: list[int] = []  # per row: its first position held (> 0: the rest is its prefix entry's)
+        self.row_entry: list[int] = []  # per row: its prefix entry, or -1
+        self.pk: list[torch.Tensor] = []  # per layer [entries, H, prefix capacity, D]
+        self.pv: list[torch.Tensor] = []
+        self.pkeys: list[tuple] = []  # per entry: ((block, block generation), ...) of the shared blocks
+        self.plens: list[int] = []  # per entry: shared positions
+        self.prefs: list[int] = []  # per entry: rows that read it
+        self.prefix_steps = 0  # decode steps that read shared prefixes once per group
         # Most bytes the rows may hold (None: the pool's own size). A batch whose rows x longest row would not fit
         # decodes through the gather path that step instead (``gathering``): never preempted, never over budget.
         self.budget_bytes = cache.memory_bytes if budget_bytes is None else budget_bytes
@@ -63,11 +77,26 @@ class DecodeWorkspace:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.pk + self.pv)
+
+    @property
+    def prefix_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pk + self.pv)
+
+    @property
+    def own_lengths(self) -> list[int]:
+        """Per row: the positions the row itself holds (its length past its shared prefix)."""
+        return [n - o for n, o in zip(self.lengths, self.origins)]
+
+    @property
+    def has_prefixes(self) -> bool:
+        return bool(self.pkeys)
 
     def release(self) -> None:
         """Drop every row and free the tensors (offload; the pool keeps the KV)."""
         self.k, self.v, self.keys, self.lengths = [], [], [], []
+        self.origins, self.row_entry = [], []
+        self.pk, self.pv, self.pkeys, self.plens, self.prefs = [], [], [], [], []
 
     # ------------------------------------------------------------------ storage
     def _shape(self, rows: int, length: int, cur_r: int, cur_c: int) -> tuple[int, int] | None:
@@ -82,8 +111,9 @@ class DecodeWorkspace:
             hint_r = max(rows, cur_r, self.hint[0])
             hint_c = max(cur_c, -(-max(length, min(self.hint[1] + 1, max(2 * length, length + 256))) // 16) * 16)
             shapes = [(hint_r, hint_c), (rows if rows > cur_r else cur_r, hint_c)] + shapes
+        budget = self.budget_bytes - self.prefix_bytes
         for r, c in shapes:
-            if r * c * self.bytes_per_position <= self.budget_bytes:
+            if r * c * self.bytes_per_position <= budget:
                 return r, c
         return None
 
@@ -114,38 +144,119 @@ class DecodeWorkspace:
         self.grows += 1
         return True
 
-    def _fill(self, row: int, block_table: list[int], length: int) -> None:
-        """Copy a sequence's first ``length`` cached positions from the pool into ``row`` (once, when it joins)."""
-        if length == 0:
+    def _fill(self, row: int, block_table: list[int], length: int, origin: int = 0) -> None:
+        """Copy a sequence's cached positions ``origin .. length-1`` from the pool into ``row`` (once, when it
+        joins)."""
+        if length <= origin:
             return
-        slots = torch.tensor(self.cache.slots(block_table, 0, length), device=self.cache.device)
+        slots = torch.tensor(self.cache.slots(block_table, origin, length), device=self.cache.device)
+        n = length - origin
         for i in range(self.cache.num_layers):
-            self.k[i][row, :, :length].copy_(self.cache.k[i].index_select(0, slots).transpose(0, 1))
-            self.v[i][row, :, :length].copy_(self.cache.v[i].index_select(0, slots).transpose(0, 1))
+            self.k[i][row, :, :n].copy_(self.cache.k[i].index_select(0, slots).transpose(0, 1))
+            self.v[i][row, :, :n].copy_(self.cache.v[i].index_select(0, slots).transpose(0, 1))
         self.fills += 1
 
     def _move(self, src: int, dst: int) -> None:
-        n = self.lengths[src]
+        n = self.lengths[src] - self.origins[src]
         for store in (self.k, self.v):
             for t in store:
                 t[dst, :, :n].copy_(t[src, :, :n])
         self.keys[dst], self.lengths[dst] = self.keys[src], self.lengths[src]
+        self.origins[dst], self.row_entry[dst] = self.origins[src], self.row_entry[src]
         self.moves += 1
 
     def _drop_row(self, row: int) -> None:
+        entry = self.row_entry[row]
         last = self.rows - 1
         if row != last:
             self._move(last, row)
-        self.keys.pop()
-        self.lengths.pop()
+        for lst in (self.keys, self.lengths, self.origins, self.row_entry):
+            lst.pop()
+        if entry >= 0:
+            self.prefs[entry] -= 1
+            if self.prefs[entry] == 0:
+                self._drop_entry(entry)
 
-    # ------------------------------------------------------------------ the two calls
+    # ------------------------------------------------------------------ the prefix store
+    def _prefix_key(self, block_table: list[int], length: int) -> tuple:
+        """The leading full blocks this sequence shares with others (KV refcount > 1), each with its allocation
+        generation, so a block freed and reused for other KV never matches: () when fewer than ``min_prefix``
+        positions. One position past them always stays the row's own (the step's new token is written there)."""
+        c, bs = self.cache, self.cache.block_size
+        n = 0
+        while n < len(block_table) and (n + 1) * bs < length and c.refcount[block_table[n]] > 1:
+            n += 1
+        if n * bs < self.min_prefix:
+            return ()
+        return tuple((b, c.generation[b]) for b in block_table[:n])
+
+    def _entry(self, key: tuple) -> int:
+        """The prefix entry holding the positions of these shared blocks, filled from the pool when new."""
+        try:
+            e = self.pkeys.index(key)
+        except ValueError:
+            e = -1
+        if e >= 0:
+            self.prefs[e] += 1
+            return e
+        c = self.cache
+        n = len(key) * c.block_size
+        e = len(self.pkeys)
+        cur_e = self.pk[0].shape[0] if self.pk else 0
+        cur_c = self.pk[0].shape[2] if self.pk else 0
+        if e >= cur_e or n > cur_c:
+            new_e, new_c = max(e + 1, 2 * cur_e, 4), max(cur_c, -(-n // 16) * 16)
+            for store in (self.pk, self.pv):
+                for i in range(c.num_layers):
+                    t = torch.zeros((new_e, c.num_kv_heads, new_c, c.head_dim), dtype=c.dtype, device=c.device)
+                    if len(store) > i:
+                        t[:e, :, :cur_c].copy_(store[i][:e])
+                        store[i] = t
+                    else:
+                        store.append(t)
+            self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+        slots = torch.tensor(c.slots([b for b, _ in key], 0, n), device=c.device)
+        for i in range(c.num_layers):
+            self.pk[i][e, :, :n].copy_(c.k[i].index_select(0, slots).transpose(0, 1))
+            self.pv[i][e, :, :n].copy_(c.v[i].index_select(0, slots).transpose(0, 1))
+        self.pkeys.append(key)
+        self.plens.append(n)
+        self.prefs.append(1)
+        return e
+
+    def _drop_entry(self, e: int) -> None:
+        last = len(self.pkeys) - 1
+        if e != last:  # keep the entries compacted: the last moves into the hole
+            n = self.plens[last]
+            for t in self.pk + self.pv:
+                t[e, :, :n].copy_(t[last, :, :n])
+            self.pkeys[e], self.plens[e], self.prefs[e] = self.pkeys[last], self.plens[last], self.prefs[last]
+            self.row_entry = [e if x == last else x for x in self.row_entry]
+        self.pkeys.pop()
+        self.plens.pop()
+        self.prefs.pop()
+        if not self.pkeys:
+            self.pk, self.pv = [], []
+
+    def _prefix_bytes_for(self, keys: list[tuple]) -> int:
+        """Bytes the prefix store would take holding ``keys`` (new ones included)."""
+        if not keys:
+            return 0
+        c = self.cache
+        n = max(len(k) for k in keys) * c.block_size
+        cap = max(self.pk[0].shape[2] if self.pk else 0, -(-n // 16) * 16)
+        ents = max(self.pk[0].shape[0] if self.pk else 0, len(set(keys)))
+        return ents * cap * self.bytes_per_position
+
+    # ------------------------------------------------------------------ the calls
     def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
                 hint: tuple[int, int] | None = None) -> list[int] | None:
         """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
         arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i. None
         (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget. ``hint``:
-        (rows, length) the batch may reach, so that the rows grow once where the budget allows."""
+        (rows, length) the batch may reach, so that the rows grow once where the budget allows. With
+        ``shared_prefix``, a joining sequence whose leading full blocks another sequence of the batch shares
+        holds only the positions past them; the shared positions go in one prefix entry."""
         self.hint = hint
         want = {k: i for i, k in enumerate(keys)}
         if len(want) != len(keys):
@@ -154,18 +265,74 @@ class DecodeWorkspace:
             i = want.get(self.keys[r])
             if i is None or self.lengths[r] != lengths[i]:
                 self._drop_row(r)
-        self.gathering = bool(keys) and not self._ensure(len(keys), max(lengths, default=0) + 1)
+        have = set(self.keys)
+        joiners = [i for i, k in enumerate(keys) if k not in have]
+        origin = {i: 0 for i in joiners}
+        pkey = {}
+        if self.shared_prefix and joiners:
+            for i in joiners:
+                pkey[i] = self._prefix_key(block_tables[i], lengths[i])
+            count: dict = {}
+            for k in [pkey[i] for i in joiners] + [self.pkeys[e] for e in self.row_entry if e >= 0]:
+                if k:
+                    count[k] = count.get(k, 0) + 1
+            for i in joiners:
+                if count.get(pkey[i], 0) >= 2:  # shared by another row of the batch
+                    origin[i] = len(pkey[i]) * self.cache.block_size
+                else:
+                    pkey[i] = ()
+            need = [self.pkeys[e] for e in self.row_entry if e >= 0] + [pkey[i] for i in joiners if pkey[i]]
+            if self.budget_bytes - self._prefix_bytes_for(need) < 0:
+                origin = {i: 0 for i in joiners}
+                pkey = {i: () for i in joiners}
+        own = [self.lengths[r] - self.origins[r] for r in range(self.rows)] + [lengths[i] - origin[i] for i in joiners]
+        self.gathering = bool(keys) and not self._ensure_with_prefix(len(keys), max(own, default=0) + 1,
+                                                                     [pkey.get(i, ()) for i in joiners])
         if self.gathering:
             self.fallbacks += 1
             return None
-        have = set(self.keys)
-        joiners = [i for i, k in enumerate(keys) if k not in have]
         for i in joiners:
             row = self.rows
             self.keys.append(keys[i])
             self.lengths.append(lengths[i])
-            self._fill(row, block_tables[i], lengths[i])
+            self.origins.append(origin[i])
+            self.row_entry.append(self._entry(pkey[i]) if origin[i] else -1)
+            self._fill(row, block_tables[i], lengths[i], origin[i])
         return [want[k] for k in self.keys]
+
+    def _ensure_with_prefix(self, rows: int, length: int, new_keys: list[tuple]) -> bool:
+        """``_ensure`` leaving room for the prefix entries the joiners will add."""
+        new = [k for k in new_keys if k and k not in self.pkeys]
+        if not new:
+            return self._ensure(rows, length)
+        extra = self._prefix_bytes_for(self.pkeys + new) - self.prefix_bytes
+        self.budget_bytes -= extra
+        try:
+            return self._ensure(rows, length)
+        finally:
+            self.budget_bytes += extra
+
+    def prefix_batch(self, device) -> "PrefixBatch | None":
+        """The prefix entries of this step's rows, laid out for one attention over them (None: no entry)."""
+        if not self.pkeys:
+            return None
+        n_e, pmax = len(self.pkeys), max(self.plens)
+        members: list[list[int]] = [[] for _ in range(n_e)]
+        slot = [0] * self.rows
+        for r, e in enumerate(self.row_entry):
+            if e >= 0:
+                slot[r] = len(members[e])
+                members[e].append(r)
+        m = max(len(x) for x in members)
+        q_index = [x + [x[0]] * (m - len(x)) for x in members]  # padded with a member (its result is unused)
+        plens = torch.tensor(self.plens, device=device)
+        mask = torch.zeros((n_e, 1, 1, pmax), dtype=self.cache.dtype, device=device).masked_fill_(
+            (torch.arange(pmax, device=device).view(1, -1) >= plens.view(-1, 1)).view(n_e, 1, 1, pmax),
+            float("-inf"))
+        entry = torch.tensor([max(e, 0) for e in self.row_entry], device=device)
+        return PrefixBatch(self.pk, self.pv, n_e, pmax, m, mask, torch.tensor(q_index, device=device), entry,
+                           torch.tensor(slot, device=device),
+                           torch.tensor([e < 0 for e in self.row_entry], device=device))
 
     def view(self, write_slots: torch.Tensor, lengths: torch.Tensor, key_len: int, ctx=None) -> "WorkspaceView":
         """The cache view of a decode step over rows 0..B-1 (in ``arrange``'s order): the new token goes into the
@@ -177,6 +344,16 @@ class DecodeWorkspace:
     def advance(self) -> None:
         """After a decode forward that wrote one token into every row."""
         self.lengths = [n + 1 for n in self.lengths]
+
+
+class PrefixBatch:
+    """One decode step's shared prefixes: ``pk[layer][:n, :, :pmax]`` hold entry e's ``plens[e]`` positions
+    (``mask``: additive [n, 1, 1, pmax]); ``q_index`` [n, m]: the rows reading each entry (padded); per row,
+    ``entry`` / ``slot``: where it sits in ``q_index``, ``alone``: True for rows without a prefix entry."""
+
+    def __init__(self, pk, pv, n, pmax, m, mask, q_index, entry, slot, alone):
+        self.pk, self.pv, self.n, self.pmax, self.m = pk, pv, n, pmax, m
+        self.mask, self.q_index, self.entry, self.slot, self.alone = mask, q_index, entry, slot, alone
 
 
 class WorkspaceView(CacheView):

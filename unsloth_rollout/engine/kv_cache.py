@@ -32,6 +32,9 @@ class KVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.refcount = [0] * num_blocks
+        # per block: bumped each time it is allocated (new KV), so a copy keyed by (block, generation) is never
+        # taken for the KV a later owner writes into the same block
+        self.generation = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.on_release: list = []  # called by release_storage (the decode workspace drops its rows)
         self.allocate_storage()
@@ -73,6 +76,7 @@ class KVCache:
         out = [self.free_blocks.popleft() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
+            self.generation[b] += 1
         return out
 
     def share(self, blocks: list[int]) -> list[int]:

@@ -26,7 +26,8 @@ from .vision import PromptVision
 class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
-                 vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None):
+                 vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None,
+                 shared_prefix_decode: bool = True):
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -53,11 +54,26 @@ class ModelRunner:
         params = inspect.signature(policy.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.compile_decode = compile_decode
+        self._last_ctx = None  # the ForwardContext of the latest eager forward (the probe reads what it saw)
+        if self.workspace is not None and self.decode_backend == "workspace" and shared_prefix_decode:
+            self.workspace.shared_prefix = self._shared_prefix_servable()
         self.static = None
         if self.decode_backend == "static":
             from .decode_static import StaticDecode
 
             self.static = StaticDecode(self, compile_mode)
+
+    def _shared_prefix_servable(self) -> bool:
+        """Whether decode may read shared prefixes once per group (attention.shared_prefix_decode): on CPU (the
+        split attention uses the CPU flash kernel, which returns its log-sum-exp), with SDPA arithmetic. That
+        every layer attends over all of its history (no sliding window, no logit soft-capping) is what the
+        probe's decode then sees (``probe``)."""
+        if self.device.type != "cpu" or self._inner not in ("sdpa", "fused"):
+            return False
+        cfg = self._text_config
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            return False
+        return not any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
@@ -69,6 +85,7 @@ class ModelRunner:
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
         set_current(ctx)
+        self._last_ctx = ctx
         try:
             with served_adapters.adapter_scope(self.policy.model, adapters):
                 out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
@@ -257,9 +274,17 @@ class ModelRunner:
         write = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, lengths)]
         write_t = torch.tensor(write, device=self.device)
         input_ids, pos, lens_t = self._decode_inputs(tokens, lengths, deltas)
-        lmax = max(lengths) + 1
-        ctx = ForwardContext.decode(lens_t, lmax)
-        view = ws.view(write_t, lens_t, lmax, ctx)
+        if ws.has_prefixes:  # rows hold their own positions; shared prefixes are read once per group
+            own_t = torch.tensor(ws.own_lengths, device=self.device)
+            lmax = int(own_t.max()) + 1
+            ctx = ForwardContext.decode(own_t, lmax)
+            ctx.prefix = ws.prefix_batch(self.device)
+            ws.prefix_steps += 1
+            view = ws.view(write_t, own_t, lmax, ctx)
+        else:
+            lmax = max(lengths) + 1
+            ctx = ForwardContext.decode(lens_t, lmax)
+            view = ws.view(write_t, lens_t, lmax, ctx)
         logits = self._forward(input_ids, pos, ctx, view, names)
         ws.advance()
         return logits
@@ -276,6 +301,8 @@ class ModelRunner:
                 slots = self.kv.slots(blocks, 0, 3)
                 self.prefill([0, 0], slots[:2])
                 self.decode([0], [2], [0], [blocks], eager=True)
+                if self.workspace is not None and any(w is not None or cap for w, cap in self._last_ctx.seen):
+                    self.workspace.shared_prefix = False  # a layer with a sliding window or soft-capping
                 if self.workspace is not None:  # the workspace path, through the same guard
                     key = [("probe", 0)]
                     self.arrange_decode(key, [2], [blocks])

@@ -1,0 +1,208 @@
+"""Shared-prefix decode (engine/decode_backend.py prefix store, attention.shared_prefix_decode): the samples of
+one prompt read its KV once per step, and still produce exactly what a plain decode would.
+
+Oracles: HF greedy generate() (tokens), a teacher-forced forward (logprobs of sampled rows), the plain
+workspace decode of the same seeded requests (tokens), the paged pool (what the prefix store and the rows
+hold), and the split attention against SDPA over the whole history.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unsloth_rollout import EngineConfig, SamplingParams, load_model
+from unsloth_rollout.engine.attention import shared_prefix_decode
+from unsloth_rollout.engine.core import EngineCore
+from unsloth_rollout.engine.decode_backend import DecodeWorkspace
+from unsloth_rollout.engine.inputs import PreparedPrompt
+from unsloth_rollout.engine.sequence import Sequence
+from unsloth_rollout.engine.kv_cache import KVCache
+from unsloth_rollout.models.families import text_dims
+from unsloth_rollout.testing.drive import add_sequences, step_until_idle
+from unsloth_rollout.testing.families import FAMILIES, family_model_path
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
+
+
+def _core(policy, shared: bool, kv_tokens: int | None = None) -> EngineCore:
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
+    budget = per_token * kv_tokens if kv_tokens else 64 << 20
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16), seed=0)
+    assert core.runner.workspace.shared_prefix, "qwen2 (full attention, SDPA) is served with shared prefixes"
+    core.runner.workspace.shared_prefix = shared
+    return core
+
+
+def _prompts(tok):
+    # 40-90 tokens: two to five full blocks of 16 shared by each prompt's samples
+    return [tok.encode(" ".join(["apple", "bob", "count", "dog"][(j + i) % 4] for j in range(20 + 12 * i)))
+            for i in range(3)]
+
+
+def _run_watching(core, prompts, max_new, n, temperature):
+    seqs = add_sequences(core, prompts, max_new, n=n, seed_by_prompt=True, temperature=temperature)
+    ws, seen = core.runner.workspace, {"entries": 0, "steps": 0}
+    for _ in range(4000):
+        if not core.scheduler.has_work():
+            break
+        core.step()
+        if ws.has_prefixes:
+            seen["steps"] += 1
+            seen["entries"] = max(seen["entries"], len(ws.pkeys))
+            assert all((o > 0) == (e >= 0) for o, e in zip(ws.origins, ws.row_entry))
+    return seqs, seen
+
+
+def test_groups_read_their_prompt_once_and_decode_exactly(qwen2_dir):
+    policy = load_model(qwen2_dir, backend="transformers")
+    prompts = _prompts(policy.tokenizer)
+    # Samples finish at different steps (rows leave, entries are dropped and compacted while others decode).
+    max_new = [24, 9, 17]
+    core = _core(policy, shared=True)
+    seqs, seen = _run_watching(core, prompts, max_new, n=4, temperature=0.0)
+    assert seen["entries"] == 3 and seen["steps"] >= 9, seen
+    assert core.runner.workspace.prefix_steps == seen["steps"]
+    for s in seqs:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
+                                    do_sample=False, min_new_tokens=len(s.output_ids))[0, len(s.prompt_ids):]
+        assert s.output_ids == ref.tolist()
+    # Sampled: the same tokens as the plain decode of the same seeded requests; logprobs = teacher-forced.
+    outs = {}
+    for shared in (True, False):
+        outs[shared], seen = _run_watching(_core(policy, shared), prompts, max_new, n=4, temperature=1.0)
+        assert (seen["steps"] > 0) == shared
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_ids == b.output_ids
+        tf, _ = teacher_forced_logprobs(policy, a.prompt_ids, a.output_ids, temperature=1.0)
+        assert (torch.tensor(a.output_logprobs) - tf).abs().max() <= 1e-5
+
+
+def test_shared_prefix_survives_preemption_and_recompute(qwen2_dir):
+    policy = load_model(qwen2_dir, backend="transformers")
+    prompts = _prompts(policy.tokenizer)
+    core = _core(policy, shared=True, kv_tokens=16 * 14)  # too small for every sample's growth: preemption
+    seqs, seen = _run_watching(core, prompts, [40, 40, 40], n=3, temperature=0.8)
+    assert core.scheduler.num_preemptions > 0 and seen["steps"] > 0
+    for s in seqs:
+        assert s.finish_reason == "length", s.error
+        tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=0.8)
+        assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5
+
+
+def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match():
+    torch.manual_seed(0)
+    cache = KVCache(2, 2, 8, num_blocks=40, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn_like(t))
+    ws = DecodeWorkspace(cache, min_capacity=4, budget_bytes=1 << 20, shared_prefix=True, min_prefix=8)
+    prompt = cache.allocate(3)  # 12 shared positions
+    tables = {(f"s{i}", 0): cache.share(prompt) + cache.allocate(2) for i in range(3)}
+    tables[("lone", 0)] = cache.allocate(5)
+    keys = list(tables)
+    lens = [14, 14, 14, 14]
+    ws.arrange(keys, lens, [tables[k] for k in keys])
+    assert len(ws.pkeys) == 1 and ws.plens == [12] and ws.prefs == [3]
+    assert sorted(ws.origins) == [0, 12, 12, 12]
+    slots = torch.tensor(cache.slots(prompt, 0, 12))
+    for i in range(2):
+        assert torch.equal(ws.pk[i][0, :, :12], cache.k[i][slots].transpose(0, 1))
+    for r, k in enumerate(ws.keys):  # each row holds exactly its positions past its origin
+        o = ws.origins[r]
+        own = torch.tensor(cache.slots(tables[k], o, 14))
+        assert torch.equal(ws.k[0][r, :, :14 - o], cache.k[0][own].transpose(0, 1))
+    # Every sharer leaves: the entry goes. The prompt's blocks are freed and reused for other KV: sequences
+    # sharing them get a new entry (the blocks' generations moved on), filled with the new KV, never the old copy.
+    ws.arrange([("lone", 0)], [14], [tables[("lone", 0)]])
+    assert not ws.pkeys and ws.origins == [0]
+    old_key = tuple((b, cache.generation[b]) for b in prompt)
+    for k in keys[:3]:
+        cache.free(tables[k][3:])
+        cache.free(tables[k][:3])
+    cache.free(prompt)  # its first owner's reference
+    filler = cache.allocate(cache.num_free_blocks - 3)  # what was free before: the prompt's blocks come next
+    again = cache.allocate(3)
+    assert sorted(again) == sorted(prompt)
+    cache.free(filler[:2])  # room for the new sequences' own blocks
+    fresh = torch.tensor(cache.slots(again, 0, 12))
+    for t in cache.k + cache.v:
+        t[fresh] = torch.randn(12, 2, 8)
+    new_tables = {(f"t{i}", 0): cache.share(again) + cache.allocate(1) for i in range(2)}
+    ws.arrange([("lone", 0)] + list(new_tables), [14, 13, 13], [tables[("lone", 0)]] + list(new_tables.values()))
+    assert len(ws.pkeys) == 1 and ws.pkeys[0] != old_key
+    for i in range(2):
+        assert torch.equal(ws.pk[i][0, :, :12], cache.k[i][fresh].transpose(0, 1))
+        assert torch.equal(ws.pv[i][0, :, :12], cache.v[i][fresh].transpose(0, 1))
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_split_attention_equals_sdpa_over_the_whole_history(g):
+    """The merged (prefix + own) attention against SDPA over prefix ++ own positions, rows with and without a
+    prefix, entries of different lengths, one padded member slot."""
+    torch.manual_seed(0)
+    from unsloth_rollout.engine.decode_backend import PrefixBatch
+
+    kvh, d, bs = 2, 16, 8
+    plens, members = [16, 24], [[0, 2, 3], [4]]  # row 1 has no prefix
+    own = torch.tensor([5, 9, 1, 3, 7])
+    b = own.numel()
+    pk = [torch.randn(2, kvh, 32, d)]
+    pv = [torch.randn(2, kvh, 32, d)]
+    k = torch.randn(b, kvh, 12, d)
+    v = torch.randn(b, kvh, 12, d)
+    q = torch.randn(b, kvh * g, 1, d)
+    mask = (torch.arange(12).view(1, -1) <= own.view(-1, 1)).view(b, 1, 1, 12)
+    entry, slot, alone = [0] * b, [0] * b, [True] * b
+    for e, rows in enumerate(members):
+        for j, r in enumerate(rows):
+            entry[r], slot[r], alone[r] = e, j, False
+    m = max(len(x) for x in members)
+    pmax = max(plens)
+    pmask = torch.zeros(2, 1, 1, pmax).masked_fill_(
+        (torch.arange(pmax).view(1, -1) >= torch.tensor(plens).view(-1, 1)).view(2, 1, 1, pmax), float("-inf"))
+    pb = PrefixBatch(pk, pv, 2, pmax, m, pmask, torch.tensor([x + [x[0]] * (m - len(x)) for x in members]),
+                     torch.tensor(entry), torch.tensor(slot), torch.tensor(alone))
+    out = shared_prefix_decode(q, k, v, mask, d ** -0.5, pb, 0)
+    for r in range(b):
+        keys, vals = k[r, :, :own[r] + 1], v[r, :, :own[r] + 1]
+        if not alone[r]:
+            e = entry[r]
+            keys = torch.cat([pk[0][e, :, :plens[e]], keys], dim=1)
+            vals = torch.cat([pv[0][e, :, :plens[e]], vals], dim=1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[r:r + 1].view(1, kvh, g, d), keys[None], vals[None],
+                                                               scale=d ** -0.5)
+        assert (out[r].view(kvh, g, d) - ref[0]).abs().max() <= 1e-6
+
+
+def _windowed_or_capped(cfg) -> bool:
+    """What the config says: some layer attends over a sliding window, or logits are soft-capped."""
+    window = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True) is not False
+    return window or getattr(cfg, "attn_logit_softcapping", None) is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(family):
+    """A GRPO group of 4 samples of a ~60-token prompt beside a lone prompt: tokens equal HF greedy; sampled
+    logprobs equal a teacher-forced forward. Families with windows or soft-capping are refused the split by the
+    engine's probe (what their layers ask of the attention), not by a list."""
+    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8},
+                        attn_implementation="eager" if family == "gemma2" else "sdpa")
+    perturb_lora(policy.model, std=0.3)
+    tok = policy.tokenizer
+    text = " ".join(["alice", "counts", "seven", "apples", "in", "paris"] * 10)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8), seed=0)
+    ws = core.runner.workspace
+    assert ws.shared_prefix == (not _windowed_or_capped(policy.text_config)), family
+    greedy = add_sequences(core, [tok.encode(text), tok.encode(text[:40])], [10, 10], n=3, temperature=0.0)
+    sp = SamplingParams(max_new_tokens=10, n=4, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = [Sequence("sampled", j, PreparedPrompt(tok.encode(text[5:])), sp) for j in range(4)]
+    for seq in sampled:
+        core.add(seq)
+    step_until_idle(core, max_steps=500)
+    assert (ws.prefix_steps > 0) == ws.shared_prefix
+    for s in greedy:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=10, min_new_tokens=10,
+                                    do_sample=False)[0, len(s.prompt_ids):]
+        assert s.output_ids == ref.tolist(), family
+    for s in sampled:
+        tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
+        assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, family
