@@ -187,20 +187,38 @@ def test_long_workload(tmp_path):
     assert report["kv_bytes_per_token"] == per_token
     rows = {(r["backend"], r["context"]): r for r in report["rows"]}
     assert set(rows) == {("workspace", 24), ("workspace", 160), ("gather", 24), ("gather", 160)}
-    for (backend, ctx), r in rows.items():
-        assert r["kv_bytes_per_step"] == per_token * 3 * (ctx + 3)
+    for (backend, ctx), r in rows.items():  # the first timed step: 3 rows of ctx + 1 cached tokens, one new
+        assert r["kv_bytes_per_step"] == per_token * 3 * (ctx + 2)
         assert (r["pool_index_ops_per_step"] == 0) == (backend == "workspace"), r
         assert r["drift_samples_checked"] == 2 and r["logprob_drift"] <= 1e-5, r
         assert r["decode_tok_s"] > 0 and len(r["step_ms_all"]) == 3
     assert set(report["summary"]) == {"workspace", "gather"}
     md = (tmp_path / "long.md").read_text()
     assert "| workspace | 160 |" in md and "goal <= 1.5x" in md
+    # One prompt sampled 3 times: with shared prefixes the step reads the 160-token prompt once (its 10 full
+    # blocks) and each row's own 1 + 1 positions; whole rows read 3 x 162. The 24-token prompt shares one block,
+    # under the 32-position minimum: no prefix entry.
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_rollout.bench", "--workload", "long", "--model", "tiny-lm", "--batch", "3",
+         "--group", "3", "--contexts", "24,160", "--steps", "3", "--drift-samples", "3", "--backends",
+         "workspace,workspace-whole-rows", "--json", str(out), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = {(r["backend"], r["context"]): r for r in report["rows"]}
+    assert report["group"] == 3 and "--group 3" in report["command"]
+    assert rows[("workspace", 160)]["kv_bytes_per_step"] == per_token * (3 * 2 + 160)
+    assert rows[("workspace-whole-rows", 160)]["kv_bytes_per_step"] == per_token * 3 * 162
+    assert rows[("workspace", 24)]["kv_bytes_per_step"] == rows[("workspace-whole-rows", 24)]["kv_bytes_per_step"]
+    assert rows[("workspace", 160)]["shared_prefix_steps"] > 0 and rows[("workspace", 24)]["shared_prefix_steps"] == 0
+    assert all(r["shared_prefix_steps"] == 0 for (b, _), r in rows.items() if b == "workspace-whole-rows")
+    assert all(r["logprob_drift"] <= 1e-5 for r in rows.values())
 
 
 def test_long_workload_rejects_bad_arguments(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     for args, field in ((["--contexts", "64"], "--contexts"), (["--backends", "engine"], "--backends"),
-                        (["--batch", "0"], "--batch")):
+                        (["--batch", "0"], "--batch"), (["--batch", "4", "--group", "3"], "--group")):
         proc = subprocess.run([sys.executable, "-m", "unsloth_rollout.bench", "--workload", "long", "--model",
                                "tiny-lm", *args, "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300, check=False)

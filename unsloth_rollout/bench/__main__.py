@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--layers, --batch, --steps, --train-batch, --train-tokens, --repeats)")
     g = SHAPES["grpo"]
     p.add_argument("--prompts", type=int, default=None, help=f"distinct prompts (grpo default {g.prompts})")
-    p.add_argument("--group", type=int, default=None, help=f"samples per prompt (grpo default {g.group})")
+    p.add_argument("--group", type=int, default=None,
+                   help=f"samples per prompt (grpo default {g.group}; --workload long: 1, distinct prompts)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
     p.add_argument("--backends", default=None,
@@ -167,7 +168,7 @@ def _main_long(args) -> int:
         backends = [b.strip() for b in (args.backends or ",".join(LONG_DEFAULTS["backends"])).split(",") if b.strip()]
         report = run_long(model=args.model, batch=args.batch, contexts=contexts, steps=args.steps,
                           backends=backends, lora=args.lora_rank, seed=args.seed, drift_samples=args.drift_samples,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, group=args.group or 1)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,8 +61,14 @@ class Timed:
         setattr(self.obj, self.name, self.fn)
 
 
-def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int):
-    """An engine core with ``batch`` distinct random prompts of ``context`` tokens prefilled and joined."""
+# Decode backends of this workload: the engine's (engine/decode_backend.py), and the workspace with every row
+# holding its whole history (EngineConfig.shared_prefix_decode=False), to compare with ``--group``.
+WHOLE_ROWS = "workspace-whole-rows"
+
+
+def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int, group: int = 1):
+    """An engine core with ``batch`` random prompts of ``context`` tokens prefilled and joined: distinct, or
+    ``batch / group`` prompts sampled ``group`` times each (a GRPO group: the samples share the prompt's KV)."""
     from ..engine.config import EngineConfig, SamplingParams
     from ..engine.core import EngineCore
     from ..engine.inputs import PreparedPrompt
@@ -72,14 +78,18 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int)
 
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     kv_bytes = int(per_token * batch * (context + steps + 64) * 1.1)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=backend,
-                                           max_num_seqs=batch), seed=seed)
+    whole = backend == WHOLE_ROWS
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend="workspace" if whole
+                                           else backend, max_num_seqs=batch, shared_prefix_decode=not whole),
+                      seed=seed)
     g = torch.Generator().manual_seed(seed)
     vocab = len(policy.tokenizer)
-    for i in range(batch):  # distinct random prompts (no prefix sharing), sampled at T=1, never stopping early
-        ids = torch.randint(100, min(vocab, 5000), (context,), generator=g).tolist()
+    ids = None
+    for i in range(batch):  # random prompts (shared by ``group`` samples), sampled at T=1, never stopping early
+        if i % group == 0:
+            ids = torch.randint(100, min(vocab, 5000), (context,), generator=g).tolist()
         sp = SamplingParams(max_new_tokens=steps + 16, temperature=1.0, seed=i, ignore_eos=True)
-        core.add(Sequence(f"p{i}", 0, PreparedPrompt(ids), sp))
+        core.add(Sequence(f"p{i // group}", i % group, PreparedPrompt(ids), sp))
     while any(s.num_cached == 0 for s in core.sequences()):
         core.step()  # prefills
     core.step()  # warm-up decode: the rows join the workspace (filled from the pool once)
@@ -95,7 +105,10 @@ def kv_read_ms(core, reps: int = 5) -> float:
     b = len(running)
     n = max(s.num_cached for s in running) + 1
     ws = core.runner.workspace
-    if ws is not None and ws.k:
+    if ws is not None and ws.has_prefixes:  # the rows' own positions, and each shared prefix once
+        s_own = max(ws.own_lengths) + 1
+        views = [t[:b, :, :s_own] for t in ws.k + ws.v] + [t[:len(ws.plens), :, :max(ws.plens)] for t in ws.pk + ws.pv]
+    elif ws is not None and ws.k:
         views = [t[:b, :, :n] for t in ws.k + ws.v]
     else:  # gather: the pool rows of the batch (as contiguous reads; the gather itself copies them)
         views = [t[: b * n] for t in core.kv.k + core.kv.v]
@@ -106,6 +119,16 @@ def kv_read_ms(core, reps: int = 5) -> float:
             v.sum()
         best = min(best, time.perf_counter() - t)
     return 1000 * best
+
+
+def attended_positions(core) -> int:
+    """Positions of K/V history one decode step's attention reads, padding included: rows x (longest + 1), or
+    with shared prefixes the rows' own positions plus each prefix entry once."""
+    ws, running = core.runner.workspace, core.scheduler.running
+    b = len(running)
+    if ws is not None and ws.has_prefixes:
+        return b * (max(ws.own_lengths) + 1) + len(ws.plens) * max(ws.plens)
+    return b * (max(s.num_cached for s in running) + 1)
 
 
 def profiled_step(core) -> dict:
@@ -158,7 +181,7 @@ def logprob_drift(policy, core, k: int) -> float | None:
 
 def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), steps: int = 16,
              backends=("workspace", "gather"), lora: int = 16, seed: int = 0, drift_samples: int = 2,
-             progress: bool = True) -> dict:
+             progress: bool = True, group: int = 1) -> dict:
     """Run the long-context decode measurement; returns the report dict that ``--json`` writes."""
     from ..engine.decode_backend import DECODE_BACKENDS
     from ..engine.kv_cache import KVCache
@@ -172,9 +195,12 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         raise ValueError(f"--contexts needs two or more distinct positive lengths, got {contexts}")
     if batch < 1 or steps < 2:
         raise ValueError(f"--batch must be >= 1 and --steps >= 2, got --batch {batch}, --steps {steps}")
-    bad = [b for b in backends if b not in DECODE_BACKENDS]
+    bad = [b for b in backends if b not in (*DECODE_BACKENDS, WHOLE_ROWS)]
     if bad:
-        raise ValueError(f"--backends for --workload long: decode backends {', '.join(DECODE_BACKENDS)}; got {bad}")
+        raise ValueError(f"--backends for --workload long: decode backends {', '.join(DECODE_BACKENDS)} or "
+                         f"{WHOLE_ROWS}; got {bad}")
+    if group < 1 or batch % group:
+        raise ValueError(f"--group for --workload long must divide --batch {batch}, got {group}")
     path = model_path(model)
     torch.manual_seed(seed)
     policy = load_model(path, backend="transformers", lora={"r": lora, "random_state": seed} if lora else None)
@@ -188,7 +214,8 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
     for cfg in configs:
         if progress:
             print(f"[long] prefilling {batch} x {cfg[1]} tokens ({cfg[0]}) ...", file=sys.stderr, flush=True)
-        cores[cfg] = setup(policy, cfg[0], cfg[1], batch, steps, seed)
+        cores[cfg] = setup(policy, cfg[0], cfg[1], batch, steps, seed, group)
+    attended = {cfg: attended_positions(core) for cfg, core in cores.items()}  # what the first timed step reads
     times = {cfg: [] for cfg in configs}
     for _ in range(steps):
         for cfg in configs:
@@ -202,7 +229,8 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         core = cores[cfg]
         r = {"backend": backend, "context": ctx, "batch": batch, "steps": steps, "step_ms_median": 1000 * med,
              "step_ms_all": [round(1000 * x, 2) for x in times[cfg]], "decode_tok_s": batch / med,
-             "kv_bytes_per_step": per_token * batch * (ctx + steps), "kv_read_ms": kv_read_ms(core)}
+             "kv_bytes_per_step": per_token * attended[cfg], "kv_read_ms": kv_read_ms(core),
+             "shared_prefix_steps": core.runner.workspace.prefix_steps if core.runner.workspace else 0}
         r.update(profiled_step(core))
         r.update(timed_shares(core, 8))
         r["logprob_drift"] = logprob_drift(policy, core, drift_samples) if drift_samples else None
@@ -222,8 +250,9 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
     return {
         "command": (f"python -m unsloth_rollout.bench --workload long --model {model} --batch {batch} "
                     f"--contexts {','.join(map(str, contexts))} --steps {steps} "
-                    f"--backends {','.join(backends)} --lora-rank {lora} --seed {seed}"),
-        "model": model, "lora_rank": lora, "machine": machine_info(policy.device),
+                    f"--backends {','.join(backends)} --lora-rank {lora} --seed {seed}"
+                    + (f" --group {group}" if group > 1 else "")),
+        "model": model, "lora_rank": lora, "group": group, "machine": machine_info(policy.device),
         "kv_bytes_per_token": per_token, "goal_ratio": GOAL_RATIO, "contexts": contexts,
         "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()), "cpu_pressure_after": cpu_pressure(),
         "rows": rows, "summary": summary,
@@ -235,7 +264,10 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"Model `{report['model']}` (LoRA r={report['lora_rank']}), workload `long`: {report['rows'][0]['batch']} "
-        f"sequences decoding at once, distinct random prompts of {', '.join(map(str, report['contexts']))} tokens, "
+        f"sequences decoding at once, "
+        + (f"{report['rows'][0]['batch'] // report['group']} random prompts x {report['group']} samples each (a GRPO "
+           "group: the samples share the prompt's KV)" if report.get("group", 1) > 1 else "distinct random prompts")
+        + f" of {', '.join(map(str, report['contexts']))} tokens, "
         f"{report['rows'][0]['steps']} timed decode steps each (interleaved), sampled at temperature 1, "
         f"{report['kv_bytes_per_token']} KV bytes per token.",
         f"Machine: {m.get('cpu')} ({m.get('cores')} cores, {m.get('threads')} torch threads), torch {m.get('torch')}, "

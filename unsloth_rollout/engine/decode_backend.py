@@ -181,10 +181,10 @@ class DecodeWorkspace:
     def _prefix_key(self, block_table: list[int], length: int) -> tuple:
         """The leading full blocks this sequence shares with others (KV refcount > 1), each with its allocation
         generation, so a block freed and reused for other KV never matches: () when fewer than ``min_prefix``
-        positions. One position past them always stays the row's own (the step's new token is written there)."""
+        positions. The step's new token (position ``length``) is always the row's own."""
         c, bs = self.cache, self.cache.block_size
         n = 0
-        while n < len(block_table) and (n + 1) * bs < length and c.refcount[block_table[n]] > 1:
+        while n < len(block_table) and (n + 1) * bs <= length and c.refcount[block_table[n]] > 1:
             n += 1
         if n * bs < self.min_prefix:
             return ()
