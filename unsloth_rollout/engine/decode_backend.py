@@ -285,6 +285,9 @@ class DecodeWorkspace:
             if self.budget_bytes - self._prefix_bytes_for(need) < 0:
                 origin = {i: 0 for i in joiners}
                 pkey = {i: () for i in joiners}
+        if hint is not None and self.shared_prefix:  # rows grow to their own positions, not the shared ones
+            least = min(self.origins + [origin[i] for i in joiners], default=0)
+            self.hint = (hint[0], hint[1] - least)
         own = [self.lengths[r] - self.origins[r] for r in range(self.rows)] + [lengths[i] - origin[i] for i in joiners]
         self.gathering = bool(keys) and not self._ensure_with_prefix(len(keys), max(own, default=0) + 1,
                                                                      [pkey.get(i, ()) for i in joiners])
