@@ -99,11 +99,11 @@ class DecodeWorkspace:
         self.pk, self.pv, self.pkeys, self.plens, self.prefs = [], [], [], [], []
 
     # ------------------------------------------------------------------ storage
-    def _shape(self, rows: int, length: int, cur_r: int, cur_c: int) -> tuple[int, int] | None:
+    def _shape(self, rows: int, length: int, cur_r: int, cur_c: int, reserve: int = 0) -> tuple[int, int] | None:
         """The (rows, capacity) to grow to: first what the hint says the batch may reach (the rows that may still
         join; the longest length a row may reach, at most twice this length or 256 more), then headroom (rows
         doubled, capacity +25% in steps of 128), when the budget allows; else the least that holds this batch
-        (spare rows and positions dropped), else None."""
+        (spare rows and positions dropped), else None. ``reserve``: bytes kept free for prefix entries to come."""
         grow_r = max(rows, 2 * cur_r, 8) if rows > cur_r else cur_r
         grow_c = -(-max(length, cur_c + cur_c // 4, self.min_capacity) // 128) * 128 if length > cur_c else cur_c
         shapes = [(grow_r, grow_c), (rows, grow_c), (rows, -(-length // 128) * 128), (rows, -(-length // 16) * 16)]
@@ -111,49 +111,59 @@ class DecodeWorkspace:
             hint_r = max(rows, cur_r, self.hint[0])
             hint_c = max(cur_c, -(-max(length, min(self.hint[1] + 1, max(2 * length, length + 256))) // 16) * 16)
             shapes = [(hint_r, hint_c), (rows if rows > cur_r else cur_r, hint_c)] + shapes
-        budget = self.budget_bytes - self.prefix_bytes
+        budget = self.budget_bytes - self.prefix_bytes - reserve
         for r, c in shapes:
             if r * c * self.bytes_per_position <= budget:
                 return r, c
         return None
 
-    def _ensure(self, rows: int, length: int) -> bool:
-        """Room for ``rows`` rows of ``length`` positions, inside the budget; False when it cannot fit."""
-        c = self.cache
+    def _ensure(self, rows: int, length: int, reserve: int = 0) -> bool:
+        """Room for ``rows`` rows of ``length`` positions, inside the budget (less ``reserve`` bytes); False when it
+        cannot fit."""
         cur_r = self.k[0].shape[0] if self.k else 0
         cur_c = self.k[0].shape[2] if self.k else 0
         if rows <= cur_r and length <= cur_c:
             return True
-        shape = self._shape(rows, length, cur_r, cur_c)
+        shape = self._shape(rows, length, cur_r, cur_c, reserve)
         if shape is None:
             return False
         new_r, new_c = shape
         keep = min(cur_c, new_c)  # every held row's length is below ``length`` <= new_c
-        n = self.rows
-        # Zeros, not empty: masked keys past a row's length are multiplied by a zero weight, never NaN.
         for store in (self.k, self.v):
-            for i in range(c.num_layers):  # one layer at a time: the old layer is freed as the new one replaces it
-                t = torch.zeros((new_r, c.num_kv_heads, new_c, c.head_dim), dtype=c.dtype, device=c.device)
-                if len(store) > i:
-                    if n:
-                        t[:n, :, :keep].copy_(store[i][:n, :, :keep])
-                    store[i] = t
-                else:
-                    store.append(t)
-        self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+            self._regrow(store, new_r, new_c, self.rows, keep)
         self.grows += 1
         return True
+
+    def _regrow(self, store: list[torch.Tensor], first: int, cap: int, n: int, keep: int) -> None:
+        """Replace each layer's tensor of ``store`` (rows or prefix entries) with a ``[first, H, cap, D]`` one holding
+        the first ``n`` entries' first ``keep`` positions. Zeros, not empty: masked keys past a row's length are
+        multiplied by a zero weight, never NaN. One layer at a time: the old is freed as the new replaces it."""
+        c = self.cache
+        for i in range(c.num_layers):
+            t = torch.zeros((first, c.num_kv_heads, cap, c.head_dim), dtype=c.dtype, device=c.device)
+            if i < len(store):
+                if n:
+                    t[:n, :, :keep].copy_(store[i][:n, :, :keep])
+                store[i] = t
+            else:
+                store.append(t)
+        self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+
+    def _from_pool(self, k: list[torch.Tensor], v: list[torch.Tensor], index: int, slots: list[int]) -> None:
+        """Copy the pool's keys and values at ``slots`` into ``k[layer][index, :, :len(slots)]`` (and ``v``)."""
+        c = self.cache
+        idx = torch.tensor(slots, device=c.device)
+        n = len(slots)
+        for i in range(c.num_layers):
+            k[i][index, :, :n].copy_(c.k[i].index_select(0, idx).transpose(0, 1))
+            v[i][index, :, :n].copy_(c.v[i].index_select(0, idx).transpose(0, 1))
 
     def _fill(self, row: int, block_table: list[int], length: int, origin: int = 0) -> None:
         """Copy a sequence's cached positions ``origin .. length-1`` from the pool into ``row`` (once, when it
         joins)."""
         if length <= origin:
             return
-        slots = torch.tensor(self.cache.slots(block_table, origin, length), device=self.cache.device)
-        n = length - origin
-        for i in range(self.cache.num_layers):
-            self.k[i][row, :, :n].copy_(self.cache.k[i].index_select(0, slots).transpose(0, 1))
-            self.v[i][row, :, :n].copy_(self.cache.v[i].index_select(0, slots).transpose(0, 1))
+        self._from_pool(self.k, self.v, row, self.cache.slots(block_table, origin, length))
         self.fills += 1
 
     def _move(self, src: int, dst: int) -> None:
@@ -207,18 +217,8 @@ class DecodeWorkspace:
         if e >= cur_e or n > cur_c:
             new_e, new_c = max(e + 1, 2 * cur_e, 4), max(cur_c, -(-n // 16) * 16)
             for store in (self.pk, self.pv):
-                for i in range(c.num_layers):
-                    t = torch.zeros((new_e, c.num_kv_heads, new_c, c.head_dim), dtype=c.dtype, device=c.device)
-                    if len(store) > i:
-                        t[:e, :, :cur_c].copy_(store[i][:e])
-                        store[i] = t
-                    else:
-                        store.append(t)
-            self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
-        slots = torch.tensor(c.slots([b for b, _ in key], 0, n), device=c.device)
-        for i in range(c.num_layers):
-            self.pk[i][e, :, :n].copy_(c.k[i].index_select(0, slots).transpose(0, 1))
-            self.pv[i][e, :, :n].copy_(c.v[i].index_select(0, slots).transpose(0, 1))
+                self._regrow(store, new_e, new_c, e, cur_c)
+        self._from_pool(self.pk, self.pv, e, c.slots([b for b, _ in key], 0, n))
         self.pkeys.append(key)
         self.plens.append(n)
         self.prefs.append(1)
@@ -269,6 +269,7 @@ class DecodeWorkspace:
         joiners = [i for i, k in enumerate(keys) if k not in have]
         origin = {i: 0 for i in joiners}
         pkey = {}
+        reserve = 0
         if self.shared_prefix and joiners:
             for i in joiners:
                 pkey[i] = self._prefix_key(block_tables[i], lengths[i])
@@ -281,16 +282,17 @@ class DecodeWorkspace:
                     origin[i] = len(pkey[i]) * self.cache.block_size
                 else:
                     pkey[i] = ()
-            need = [self.pkeys[e] for e in self.row_entry if e >= 0] + [pkey[i] for i in joiners if pkey[i]]
-            if self.budget_bytes - self._prefix_bytes_for(need) < 0:
+            total = self._prefix_bytes_for(self.pkeys + [pkey[i] for i in joiners if pkey[i]])
+            if total > self.budget_bytes:  # the prefix store alone would not fit: whole rows
                 origin = {i: 0 for i in joiners}
                 pkey = {i: () for i in joiners}
+            else:
+                reserve = total - self.prefix_bytes  # for the entries the joiners will add
         if hint is not None and self.shared_prefix:  # rows grow to their own positions, not the shared ones
             least = min(self.origins + [origin[i] for i in joiners], default=0)
             self.hint = (hint[0], hint[1] - least)
         own = [self.lengths[r] - self.origins[r] for r in range(self.rows)] + [lengths[i] - origin[i] for i in joiners]
-        self.gathering = bool(keys) and not self._ensure_with_prefix(len(keys), max(own, default=0) + 1,
-                                                                     [pkey.get(i, ()) for i in joiners])
+        self.gathering = bool(keys) and not self._ensure(len(keys), max(own, default=0) + 1, reserve)
         if self.gathering:
             self.fallbacks += 1
             return None
@@ -302,18 +304,6 @@ class DecodeWorkspace:
             self.row_entry.append(self._entry(pkey[i]) if origin[i] else -1)
             self._fill(row, block_tables[i], lengths[i], origin[i])
         return [want[k] for k in self.keys]
-
-    def _ensure_with_prefix(self, rows: int, length: int, new_keys: list[tuple]) -> bool:
-        """``_ensure`` leaving room for the prefix entries the joiners will add."""
-        new = [k for k in new_keys if k and k not in self.pkeys]
-        if not new:
-            return self._ensure(rows, length)
-        extra = self._prefix_bytes_for(self.pkeys + new) - self.prefix_bytes
-        self.budget_bytes -= extra
-        try:
-            return self._ensure(rows, length)
-        finally:
-            self.budget_bytes += extra
 
     def prefix_batch(self, device) -> "PrefixBatch | None":
         """The prefix entries of this step's rows, laid out for one attention over them (None: no entry)."""

@@ -67,13 +67,8 @@ class ModelRunner:
         """Whether decode may read shared prefixes once per group (attention.shared_prefix_decode): on CPU (the
         split attention uses the CPU flash kernel, which returns its log-sum-exp), with SDPA arithmetic. That
         every layer attends over all of its history (no sliding window, no logit soft-capping) is what the
-        probe's decode then sees (``probe``)."""
-        if self.device.type != "cpu" or self._inner not in ("sdpa", "fused"):
-            return False
-        cfg = self._text_config
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            return False
-        return not any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
+        probe's decode then sees, whatever the config calls it (``probe``)."""
+        return self.device.type == "cpu" and self._inner in ("sdpa", "fused")
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids, position_ids, ctx: ForwardContext, view, adapters=None, keep=None, **mm):
