@@ -89,6 +89,54 @@ def test_shared_prefix_survives_preemption_and_recompute(qwen2_dir):
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5
 
 
+def _staggered(policy, shared: bool, prompt, steps_alone: int, temperature: float):
+    """Sample 0 of ``prompt`` decodes alone for ``steps_alone`` steps, then samples 1-3 arrive (how AReaL and the
+    server submit a group: one request at a time). Returns the sequences and, per step after the arrivals, the
+    rows' origins and the longest own part."""
+    from unsloth_rollout.engine.inputs import PreparedPrompt
+    from unsloth_rollout.engine.sequence import Sequence
+
+    core = _core(policy, shared)
+    seqs = [Sequence(f"r{j}", 0, PreparedPrompt(prompt), SamplingParams(max_new_tokens=20, ignore_eos=True,
+                                                                        seed=j, temperature=temperature))
+            for j in range(4)]
+    core.add(seqs[0])
+    for _ in range(steps_alone):
+        core.step()
+    for s in seqs[1:]:
+        core.add(s)
+    ws, seen = core.runner.workspace, []
+    while core.scheduler.has_work():
+        core.step()
+        if ws.rows:
+            seen.append((list(ws.origins), max(ws.own_lengths)))
+    return core, seqs, seen
+
+
+def test_a_sample_that_decoded_alone_joins_its_group_s_shared_prefix(qwen2_dir):
+    """The first sample's row was whole (nothing shared its blocks when it joined). Once its siblings arrive,
+    every row of the group holds only its own positions: the longest own part is the generated tail, not the
+    prompt, and the tokens and logprobs are those of the whole-rows decode."""
+    policy = load_model(qwen2_dir, backend="transformers")
+    prompt = _prompts(policy.tokenizer)[2]
+    shared_len = len(prompt) // 16 * 16  # its full blocks
+    outs = {}
+    for shared in (True, False):
+        core, outs[shared], seen = _staggered(policy, shared, prompt, steps_alone=5, temperature=1.0)
+        if shared:
+            assert core.runner.workspace.rehomed == 1
+            full = [(o, m) for o, m in seen if len(o) == 4]
+            assert full and all(min(o) == shared_len >= 64 for o, _ in full), seen[:3]
+            # the partial block and the generated tail, never the whole prompt
+            assert max(m for _, m in full) <= len(prompt) - shared_len + 20 + 1, seen[:3]
+        else:
+            assert all(max(o) == 0 for o, _ in seen)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_ids == b.output_ids
+        tf, _ = teacher_forced_logprobs(policy, a.prompt_ids, a.output_ids, temperature=1.0)
+        assert (torch.tensor(a.output_logprobs) - tf).abs().max() <= 1e-5
+
+
 def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match():
     torch.manual_seed(0)
     cache = KVCache(2, 2, 8, num_blocks=40, block_size=4, dtype=torch.float32, device=torch.device("cpu"))

@@ -188,7 +188,9 @@ class EngineConfig:
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``. Rows that
             share a prompt's KV blocks (the samples of one GRPO prompt) hold the shared positions once, and
             attention reads them once per step for all of them (CPU, full-attention SDPA models;
-            ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``, ``["decode_prefix_steps"]``).
+            ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``, ``["decode_prefix_steps"]``; a sample
+            that decoded alone before its group's others arrived is moved to the shared layout when they join:
+            ``["decode_prefix_rehomed"]``).
             "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
             step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
             (``stats()["decode_warmup_s"]``: one decoder layer's compile, ~30 s on a loaded 2-core CPU whatever the

@@ -67,6 +67,7 @@ class DecodeWorkspace:
         self.fallbacks = 0  # decode steps that gathered because the batch did not fit the budget
         self.peak_bytes = 0  # the most the rows ever held
         self.grows = 0  # times the rows were reallocated (each copies every held row)
+        self.rehomed = 0  # whole rows refilled to hold only their own positions once their prefix became shared
         # (rows, length) the batch may reach: rows that may still join, the longest length a row may reach
         # (``arrange``'s hint; growth aims there first, within the budget)
         self.hint: tuple[int, int] | None = None
@@ -267,12 +268,14 @@ class DecodeWorkspace:
                 self._drop_row(r)
         have = set(self.keys)
         joiners = [i for i, k in enumerate(keys) if k not in have]
-        origin = {i: 0 for i in joiners}
         pkey = {}
         reserve = 0
         if self.shared_prefix and joiners:
             for i in joiners:
                 pkey[i] = self._prefix_key(block_tables[i], lengths[i])
+            joiners += self._rehome(pkey, want, lengths, block_tables)
+        origin = {i: 0 for i in joiners}
+        if self.shared_prefix and joiners:
             count: dict = {}
             for k in [pkey[i] for i in joiners] + [self.pkeys[e] for e in self.row_entry if e >= 0]:
                 if k:
@@ -304,6 +307,27 @@ class DecodeWorkspace:
             self.row_entry.append(self._entry(pkey[i]) if origin[i] else -1)
             self._fill(row, block_tables[i], lengths[i], origin[i])
         return [want[k] for k in self.keys]
+
+    def _rehome(self, pkey: dict, want: dict, lengths: list[int], block_tables: list[list[int]]) -> list[int]:
+        """Whole rows whose leading blocks a joiner or a prefix entry now shares leave their rows; returns their
+        indices (``pkey`` gets their keys) so that they join again holding only their own positions. This is the
+        first sample of a group that decoded alone before its siblings arrived (AReaL and the server submit a
+        group's samples one by one): left whole, it would make every row's own part as long as its history."""
+        new = {k for k in pkey.values() if k} | set(self.pkeys)
+        if not new:
+            return []
+        back = []
+        for r in range(self.rows - 1, -1, -1):
+            if self.row_entry[r] >= 0:
+                continue
+            i = want[self.keys[r]]
+            k = self._prefix_key(block_tables[i], lengths[i])
+            if k in new:
+                self._drop_row(r)
+                pkey[i] = k
+                back.append(i)
+                self.rehomed += 1
+        return back
 
     def prefix_batch(self, device) -> "PrefixBatch | None":
         """The prefix entries of this step's rows, laid out for one attention over them (None: no entry)."""

@@ -28,6 +28,7 @@ def engine_stats(engine) -> dict:
         decode_prefix_entries=len(ws.pkeys) if ws is not None else 0,
         decode_prefix_bytes=ws.prefix_bytes if ws is not None else 0,
         decode_prefix_steps=ws.prefix_steps if ws is not None else 0,
+        decode_prefix_rehomed=ws.rehomed if ws is not None else 0,
         prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
         prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
         num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
