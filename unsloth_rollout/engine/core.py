@@ -327,9 +327,10 @@ class EngineCore:
             # how large the rows may get (sequences that may still join, their longest possible length), so the
             # decode workspace grows once instead of at every join and every 25% of context
             sch = self.scheduler
-            hint = (min(self.config.max_num_seqs, len(sch.running) + len(sch.waiting)),
-                    min(self.max_model_len, max(len(s.prompt_ids) + s.sampling.max_new_tokens for s in seqs)))
-            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs], hint)
+            reach = [min(self.max_model_len, len(s.prompt_ids) + s.sampling.max_new_tokens) for s in seqs]
+            hint = (min(self.config.max_num_seqs, len(sch.running) + len(sch.waiting)), max(reach))
+            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs], hint,
+                                          reach)
             seqs = [seqs[i] for i in order]  # the backend's row order
             logits = runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
                                    [s.rope_delta for s in seqs], [s.block_table for s in seqs],

@@ -251,13 +251,15 @@ class DecodeWorkspace:
 
     # ------------------------------------------------------------------ the calls
     def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
-                hint: tuple[int, int] | None = None) -> list[int] | None:
+                hint: tuple[int, int] | None = None, reach: list[int] | None = None) -> list[int] | None:
         """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
         arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i. None
         (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget. ``hint``:
         (rows, length) the batch may reach, so that the rows grow once where the budget allows. With
         ``shared_prefix``, a joining sequence whose leading full blocks another sequence of the batch shares
-        holds only the positions past them; the shared positions go in one prefix entry."""
+        holds only the positions past them; the shared positions go in one prefix entry. ``reach[i]``: the longest
+        length sequence i may reach; with shared prefixes the hinted length is the most any row may hold of its
+        own (reach less its origin), so rows are not sized to the shared prompt they do not hold."""
         self.hint = hint
         want = {k: i for i, k in enumerate(keys)}
         if len(want) != len(keys):
@@ -292,8 +294,13 @@ class DecodeWorkspace:
             else:
                 reserve = total - self.prefix_bytes  # for the entries the joiners will add
         if hint is not None and self.shared_prefix:  # rows grow to their own positions, not the shared ones
-            least = min(self.origins + [origin[i] for i in joiners], default=0)
-            self.hint = (hint[0], hint[1] - least)
+            if reach is not None:
+                org = {want[k]: o for k, o in zip(self.keys, self.origins)}
+                org.update(origin)
+                self.hint = (hint[0], max((reach[i] - org.get(i, 0) for i in range(len(keys))), default=0))
+            else:
+                least = min(self.origins + [origin[i] for i in joiners], default=0)
+                self.hint = (hint[0], hint[1] - least)
         own = [self.lengths[r] - self.origins[r] for r in range(self.rows)] + [lengths[i] - origin[i] for i in joiners]
         self.gathering = bool(keys) and not self._ensure(len(keys), max(own, default=0) + 1, reserve)
         if self.gathering:
