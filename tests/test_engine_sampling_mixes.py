@@ -67,3 +67,34 @@ def test_engine_seeded_samples_are_the_same_alone_and_beside_any_parameters(engi
     batch = crowd[:5] + [req(i, p, 500 + i) for i, p in enumerate(SEEDED)] + crowd[5:]
     outs = engine.generate(batch)
     assert [o.output_ids for o in outs[5:5 + len(SEEDED)]] == alone
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 300, 2048, 5003])
+def test_two_level_inverse_cdf_is_the_float64_cumsum_draw(vocab):
+    """The sampler's draw (``inverse_cdf``: chunk sums, then the chunk's running total) against the plain float64
+    cumsum over the whole vocabulary, on rows with truncated (zero) tokens, one-token rows and vocabularies that
+    are not a multiple of the chunk: the same token for every uniform, up to rounding at a boundary, and never a
+    zero-probability token, even at u = 1 and u -> 0."""
+    from unsloth_rollout.engine.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 4, dim=-1)
+    probs[::3] = probs[::3].masked_fill(torch.rand(rows // 3 + 1, vocab, generator=g)[: probs[::3].shape[0]] < 0.7, 0.0)
+    probs[1, :] = 0.0
+    probs[1, vocab // 2] = 1.0  # a one-token row
+    probs[2::5, : vocab // 2] = 0.0  # zeros over whole chunks
+    probs[probs.sum(-1) == 0, -1] = 1.0
+    mismatches = 0
+    for trial in range(40):
+        u = torch.rand(rows, generator=g, dtype=torch.float64).clamp(min=1e-12)
+        if trial == 0:
+            u[:] = 1.0
+        if trial == 1:
+            u[:] = 1e-300
+        got = inverse_cdf(probs, u)
+        assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all()), "a zero-probability token was drawn"
+        cdf = probs.double().cumsum(-1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp(max=vocab - 1)
+        mismatches += int((got != ref).sum())
+    assert mismatches <= 2, mismatches  # each a uniform within a float32 rounding of a boundary

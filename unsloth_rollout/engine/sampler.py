@@ -103,7 +103,9 @@ class Sampler:
         the rows that need them."""
         logits = logits.float()
         batch = SamplingBatch.of(seqs, logits)
-        raw_lp = torch.log_softmax(logits / batch.par[:, _LPT:_LPT + 1], dim=-1)  # what a trainer recomputes
+        lpt = batch.par[:, _LPT:_LPT + 1]
+        # what a trainer recomputes (x / 1 is x: the division is skipped when every row's temperature is 1)
+        raw_lp = torch.log_softmax(logits if all(r[_LPT] == 1.0 for r in batch.rows) else logits / lpt, dim=-1)
         proc = self.process_logits(logits, batch)
         allowed, errors = self.apply_grammar(proc, logits, batch) if batch.constrained else (None, {})
         tokens = self.choose_tokens(proc, batch)
@@ -174,7 +176,8 @@ class Sampler:
     def draw(self, proc: torch.Tensor, seqs: list[Sequence], par: torch.Tensor) -> torch.Tensor:
         """One token per row from temperature, top-k, min-p and top-p, by the row's own uniform number."""
         dev = proc.device
-        x = proc / par[:, _T:_T + 1]
+        t = par[:, _T:_T + 1]
+        x = proc if bool((t == 1).all()) else proc / t
         kk = par[:, _TOPK].long()
         if bool((kk > 0).any()):
             vals = x.topk(int(kk.max()), dim=-1).values
@@ -188,14 +191,38 @@ class Sampler:
         probs = top_p_nucleus(probs, par[:, _TOPP])
         # One uniform in (0, 1] per row from the row's own RNG: reproducible whatever the batch.
         u = torch.tensor([1.0 - (s.rng or self.rng).random() for s in seqs], device=dev, dtype=torch.float64)
-        cdf = probs.double().cumsum(dim=-1)
-        target = (u * cdf[:, -1]).unsqueeze(1)
-        pos = torch.searchsorted(cdf, target).squeeze(1).clamp(max=probs.shape[1] - 1)
+        pos = inverse_cdf(probs, u)
         # searchsorted can land on a zero-probability token only through rounding at the top end.
         bad = probs.gather(1, pos.unsqueeze(1)).squeeze(1) <= 0
         if bad.any():
             pos = torch.where(bad, probs.argmax(dim=-1), pos)
         return pos
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """[B] for each row the first token, in vocabulary order, at which the cumulative probability reaches ``u``
+    x the row's total: an inverse-CDF draw (``u`` in (0, 1], float64). Two levels, so that no [B, V] float64
+    tensor is made or scanned sequentially (at a 152k vocabulary and 128 rows a full float64 cumsum cost more
+    on a CPU than the rest of the sampler): the sums of each ``chunk`` tokens, accumulated in float64, find the
+    chunk; the chunk's own running total, rescaled to that chunk's sum, finds the token. The rescale keeps the
+    two levels consistent, so the token found always has a positive probability; it moves a boundary by at
+    most a float32 rounding of the chunk's sum, below the rounding of the probabilities themselves."""
+    b, v = probs.shape
+    m = v // chunk
+    sums = probs[:, :m * chunk].reshape(b, m, chunk).sum(-1)  # a view of the full chunks: no copy
+    if m * chunk < v:
+        sums = torch.cat([sums, probs[:, m * chunk:].sum(-1, keepdim=True)], dim=1)
+    n = sums.shape[1]
+    sums = sums.double()  # [B, n]
+    run = sums.cumsum(dim=-1)
+    target = (u * run[:, -1]).unsqueeze(1)
+    ci = torch.searchsorted(run, target).clamp(max=n - 1)  # [B, 1]: the first chunk whose running total reaches it
+    local = target - torch.where(ci > 0, run.gather(1, (ci - 1).clamp(min=0)), torch.zeros_like(target))
+    idx = ci * chunk + torch.arange(chunk, device=probs.device)  # [B, chunk]
+    part = probs.gather(1, idx.clamp(max=v - 1)).masked_fill(idx >= v, 0.0).double().cumsum(dim=-1)
+    local = (local * part[:, -1:] / sums.gather(1, ci)).clamp(min=torch.finfo(torch.float64).tiny)
+    within = torch.searchsorted(part, local.minimum(part[:, -1:])).clamp(max=chunk - 1)
+    return idx.gather(1, within).squeeze(1).clamp(max=v - 1)
 
 
 def apply_penalties(proc: torch.Tensor, seqs: list[Sequence], rows: list[int], par: torch.Tensor) -> None:
