@@ -183,20 +183,19 @@ def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match(
 
 
 def test_rows_are_sized_to_what_each_row_holds_of_its_own():
-    """With a reach per sequence (the longest length it may get), shared rows are sized to reach less their
+    """With a reach per sequence in the hint (the longest length it may get), shared rows are sized to reach less their
     origin: a group of a long prompt gets rows for its generated tail, not for the prompt the entry holds."""
     cache = KVCache(2, 2, 8, num_blocks=80, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
     prompt = cache.allocate(25)  # 100 shared positions
     tables = {(f"s{i}", 0): cache.share(prompt) + cache.allocate(1) for i in range(4)}
     keys = list(tables)
     ws = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
-    ws.arrange(keys, [101] * 4, [tables[k] for k in keys], hint=(4, 100 + 20), reach=[120] * 4)
+    ws.arrange(keys, [101] * 4, [tables[k] for k in keys], hint=(4, 100 + 20, [120] * 4))
     assert ws.origins == [100] * 4
     assert ws.k[0].shape[0] == 4 and 21 <= ws.k[0].shape[2] <= 32, ws.k[0].shape
     ws2 = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
     lone = cache.allocate(2)
-    ws2.arrange(keys + [("lone", 0)], [101] * 4 + [6], [tables[k] for k in keys] + [lone], hint=(5, 120),
-                reach=[120] * 4 + [16])
+    ws2.arrange(keys + [("lone", 0)], [101] * 4 + [6], [tables[k] for k in keys] + [lone], hint=(5, 120, [120] * 4 + [16]))
     assert sorted(ws2.origins) == [0, 100, 100, 100, 100]
     assert ws2.k[0].shape[2] <= 32, "a short whole row beside the group does not size every row to the prompt"
 

@@ -324,13 +324,12 @@ class EngineCore:
         try:
             runner = self.runner
             keys = [(s.seq_id, s.kv_epoch) for s in seqs]
-            # how large the rows may get (sequences that may still join, their longest possible length), so the
-            # decode workspace grows once instead of at every join and every 25% of context
-            sch = self.scheduler
+            # how large the rows may get (sequences that may still join, each one's longest possible length), so
+            # the decode workspace grows once instead of at every join and every 25% of context
             reach = [min(self.max_model_len, len(s.prompt_ids) + s.sampling.max_new_tokens) for s in seqs]
-            hint = (min(self.config.max_num_seqs, len(sch.running) + len(sch.waiting)), max(reach))
-            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs], hint,
-                                          reach)
+            sch = self.scheduler
+            hint = (min(self.config.max_num_seqs, len(sch.running) + len(sch.waiting)), max(reach), reach)
+            order = runner.arrange_decode(keys, [s.num_cached for s in seqs], [s.block_table for s in seqs], hint)
             seqs = [seqs[i] for i in order]  # the backend's row order
             logits = runner.decode([s.last_token for s in seqs], [s.num_cached for s in seqs],
                                    [s.rope_delta for s in seqs], [s.block_table for s in seqs],

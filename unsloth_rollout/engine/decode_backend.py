@@ -251,16 +251,17 @@ class DecodeWorkspace:
 
     # ------------------------------------------------------------------ the calls
     def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
-                hint: tuple[int, int] | None = None, reach: list[int] | None = None) -> list[int] | None:
+                hint: tuple | None = None) -> list[int] | None:
         """Make the rows exactly this step's decode batch; returns, for each row 0..B-1, the index (into the
         arguments) of the sequence it holds. ``lengths[i]``: positions cached in the pool for sequence i. None
         (and ``gathering``) when the batch's rows x (longest + 1) positions do not fit the budget. ``hint``:
-        (rows, length) the batch may reach, so that the rows grow once where the budget allows. With
+        (rows, length[, reach]) the batch may reach, so that the rows grow once where the budget allows. With
         ``shared_prefix``, a joining sequence whose leading full blocks another sequence of the batch shares
         holds only the positions past them; the shared positions go in one prefix entry. ``reach[i]``: the longest
         length sequence i may reach; with shared prefixes the hinted length is the most any row may hold of its
         own (reach less its origin), so rows are not sized to the shared prompt they do not hold."""
-        self.hint = hint
+        reach = hint[2] if hint is not None and len(hint) > 2 else None
+        self.hint = hint = None if hint is None else (hint[0], hint[1])
         want = {k: i for i, k in enumerate(keys)}
         if len(want) != len(keys):
             raise ValueError("decode batch holds the same sequence twice")

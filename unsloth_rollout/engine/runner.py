@@ -225,12 +225,11 @@ class ModelRunner:
             self.workspace.release()
 
     def arrange_decode(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
-                       hint: tuple[int, int] | None = None, reach: list[int] | None = None) -> list[int]:
+                       hint: tuple | None = None) -> list[int]:
         """The order the decode batch runs in: for each row, the index of its sequence in the arguments
         (``keys[i]``: the sequence's (id, kv_epoch)). The workspace backend runs rows in its own row order; a
         batch that does not fit the workspace's budget runs in the given order, through the gather path."""
-        order = None if self.workspace is None else self.workspace.arrange(keys, lengths, block_tables, hint,
-                                                                                  reach)
+        order = None if self.workspace is None else self.workspace.arrange(keys, lengths, block_tables, hint)
         return list(range(len(keys))) if order is None else order
 
     def decode(self, tokens: list[int], lengths: list[int], deltas: list[int], block_tables: list[list[int]],
