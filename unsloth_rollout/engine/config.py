@@ -205,6 +205,9 @@ class EngineConfig:
             them once for all of those rows, merging the two attentions exactly by their log-sum-exps
             (``attention.shared_prefix_decode``). Served on CPU for models whose every layer attends with SDPA
             arithmetic over its whole history; elsewhere (and when False) every row holds its whole history.
+        cpu_retain_freed_memory: on a CPU device, the first engine sets glibc's malloc to keep freed memory for
+            reuse instead of handing it back to the kernel (``engine/malloc.py``; process-wide): activations
+            stop faulting their pages in again at every prefill layer. Resident memory then stays near its peak.
         max_lora_rank: adapters loaded by name (``load_lora_adapter``) with a higher LoRA rank are refused, as
             vLLM's ``--max-lora-rank`` refuses them (vLLM's default is 16, sized for its kernels' buffers; here a
             rank costs only its memory, so the default is 256). The policy's own adapter is not bound by it.
@@ -226,6 +229,7 @@ class EngineConfig:
     decode_backend: str = "workspace"
     decode_workspace_bytes: int | None = None
     shared_prefix_decode: bool = True
+    cpu_retain_freed_memory: bool = True
     max_lora_rank: int = 256
     max_loras: int | None = None
 
@@ -249,6 +253,8 @@ class EngineConfig:
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(isinstance(self.shared_prefix_decode, bool), "shared_prefix_decode",
                f"must be True or False, got {self.shared_prefix_decode!r}")
+        _check(isinstance(self.cpu_retain_freed_memory, bool), "cpu_retain_freed_memory",
+               f"must be True or False, got {self.cpu_retain_freed_memory!r}")
         _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
                f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
         _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",
