@@ -30,6 +30,7 @@ from ..models import weights as policy_weights
 from .config import EngineConfig
 from .core import EngineCore
 from .inputs import PreparedPrompt
+from .malloc import retain_freed_memory
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 from .stats import engine_stats
 from .streams import RequestStream, open_stream
@@ -45,10 +46,7 @@ class RolloutEngine:
     def __init__(self, policy, config: EngineConfig | None = None, *, seed: int | None = None):
         self.policy = policy
         self.config = config or EngineConfig()
-        if self.config.cpu_retain_freed_memory and policy.device.type == "cpu":
-            from .malloc import retain_freed_memory
-
-            retain_freed_memory()
+        retain_freed_memory(policy.device, self.config.cpu_retain_freed_memory)  # CPU: keep freed activations
         self.core = EngineCore(policy, self.config, seed)
         self.tokenizer, self.max_model_len, self.eos_ids = policy.tokenizer, self.core.max_model_len, self.core.eos_ids
         self.driver = StepDriver(self.core)  # the thread, the inbox (requests in flight) and the pause holders

@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import sys
 
+import torch
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 # Allocations up to this size come from the heap (reused once freed); larger ones are still mmapped. glibc caps
@@ -28,8 +30,11 @@ TRIM_THRESHOLD = (1 << 31) - 1  # never trim the heap's top while the process ru
 _state: dict = {}
 
 
-def retain_freed_memory() -> bool:
-    """Set glibc's mmap and trim thresholds (once per process); True when glibc took both."""
+def retain_freed_memory(device=None, enabled: bool = True) -> bool:
+    """Set glibc's mmap and trim thresholds (once per process; only for a CPU ``device`` when one is given, and
+    only if ``enabled``); True when glibc took both."""
+    if not enabled or (device is not None and torch.device(device).type != "cpu"):
+        return bool(_state.get("ok"))
     if "ok" in _state:
         return _state["ok"]
     ok = False
