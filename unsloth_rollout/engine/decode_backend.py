@@ -273,12 +273,13 @@ class DecodeWorkspace:
         joiners = [i for i, k in enumerate(keys) if k not in have]
         pkey = {}
         reserve = 0
+        origin = {i: 0 for i in joiners}
         if self.shared_prefix and joiners:
             for i in joiners:
                 pkey[i] = self._prefix_key(block_tables[i], lengths[i])
-            joiners += self._rehome(pkey, want, lengths, block_tables)
-        origin = {i: 0 for i in joiners}
-        if self.shared_prefix and joiners:
+            for i in self._rehome(pkey, want, lengths, block_tables):
+                joiners.append(i)
+                origin[i] = 0
             count: dict = {}
             for k in [pkey[i] for i in joiners] + [self.pkeys[e] for e in self.row_entry if e >= 0]:
                 if k:
@@ -295,13 +296,10 @@ class DecodeWorkspace:
             else:
                 reserve = total - self.prefix_bytes  # for the entries the joiners will add
         if hint is not None and self.shared_prefix:  # rows grow to their own positions, not the shared ones
-            if reach is not None:
-                org = {want[k]: o for k, o in zip(self.keys, self.origins)}
-                org.update(origin)
-                self.hint = (hint[0], max((reach[i] - org.get(i, 0) for i in range(len(keys))), default=0))
-            else:
-                least = min(self.origins + [origin[i] for i in joiners], default=0)
-                self.hint = (hint[0], hint[1] - least)
+            reach = reach if reach is not None else [hint[1]] * len(keys)  # no reach: every row may reach hint[1]
+            org = {want[k]: o for k, o in zip(self.keys, self.origins)}
+            org.update(origin)
+            self.hint = (hint[0], max((reach[i] - org[i] for i in range(len(keys))), default=0))
         own = [self.lengths[r] - self.origins[r] for r in range(self.rows)] + [lengths[i] - origin[i] for i in joiners]
         self.gathering = bool(keys) and not self._ensure(len(keys), max(own, default=0) + 1, reserve)
         if self.gathering:

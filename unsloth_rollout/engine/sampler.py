@@ -103,9 +103,9 @@ class Sampler:
         the rows that need them."""
         logits = logits.float()
         batch = SamplingBatch.of(seqs, logits)
-        lpt = batch.par[:, _LPT:_LPT + 1]
         # what a trainer recomputes (x / 1 is x: the division is skipped when every row's temperature is 1)
-        raw_lp = torch.log_softmax(logits if all(r[_LPT] == 1.0 for r in batch.rows) else logits / lpt, dim=-1)
+        unit = all(r[_LPT] == 1.0 for r in batch.rows)
+        raw_lp = torch.log_softmax(logits if unit else logits / batch.par[:, _LPT:_LPT + 1], dim=-1)
         proc = self.process_logits(logits, batch)
         allowed, errors = self.apply_grammar(proc, logits, batch) if batch.constrained else (None, {})
         tokens = self.choose_tokens(proc, batch)
@@ -192,7 +192,7 @@ class Sampler:
         # One uniform in (0, 1] per row from the row's own RNG: reproducible whatever the batch.
         u = torch.tensor([1.0 - (s.rng or self.rng).random() for s in seqs], device=dev, dtype=torch.float64)
         pos = inverse_cdf(probs, u)
-        # searchsorted can land on a zero-probability token only through rounding at the top end.
+        # A guard: the two-level draw lands on a positive-probability token by construction (its test checks it).
         bad = probs.gather(1, pos.unsqueeze(1)).squeeze(1) <= 0
         if bad.any():
             pos = torch.where(bad, probs.argmax(dim=-1), pos)
