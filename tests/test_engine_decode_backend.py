@@ -212,6 +212,8 @@ def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
     items = [(p.prompt_ids, kv.slots(t, 0, len(p.prompt_ids)), p) for p, t in zip(prompts, tables)]
     with torch.inference_mode(), policy.inference():
         packed = runner.prefill_packed(items)
+        pack_ctx = runner._last_ctx  # each prompt attended alone: no mask over the whole pack was built
+        assert [e - s for s, e in pack_ctx.spans] == [len(p.prompt_ids) for p in prompts] and not pack_ctx._masks
         packed_kv = [[(kv.k[i][torch.tensor(s)].clone(), kv.v[i][torch.tensor(s)].clone())
                       for i in range(kv.num_layers)] for _, s, _ in items]
         for (ids, slots, p), (logits, delta), cached in zip(items, packed, packed_kv):

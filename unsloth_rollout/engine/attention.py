@@ -46,8 +46,9 @@ class ForwardContext:
     cache view returns; ``k_valid``: [B, K] whether that key is real (padded rows attend to nothing
     past their length). ``block``: optional [B, K] image-block id per key position (-1: text) for
     families whose image tokens attend bidirectionally within one image (Gemma 3); in prefill the
-    queries are the keys, so the same ids serve both. ``segment``: optional [1, K] prompt id per position of a
-    packed prefill (several prompts in one row): a query attends only to keys of its own prompt.
+    queries are the keys, so the same ids serve both. ``spans``: the ``(start, end)`` of each prompt of a packed
+    prefill (several prompts in one row): each prompt attends only to its own positions, in an attention of its
+    own (``parts``), so a pack costs the sum of its prompts' squares, not the square of their sum.
     """
 
     kind: str
@@ -57,7 +58,7 @@ class ForwardContext:
     block: torch.Tensor | None = None
     causal_fast_path: bool = False  # prefill of one unpadded row without blocks: is_causal=True
     check: bool = True  # count cache use (off inside a compiled region)
-    segment: torch.Tensor | None = None
+    spans: list | None = None
     inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
     # decode over rows that hold only their own positions: the shared prefixes they attend to as well
     # (decode_backend.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
@@ -68,6 +69,7 @@ class ForwardContext:
     reads: dict = field(default_factory=dict)
     returned: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
+    _parts: list | None = None
 
     @classmethod
     def prefill(cls, length: int, device, block: torch.Tensor | None = None) -> "ForwardContext":
@@ -92,13 +94,20 @@ class ForwardContext:
                 m = m | ((qb >= 0) & (qb == self.block.unsqueeze(1)))
             if window is not None:
                 m = m & (k > q - window)
-            if self.segment is not None:
-                m = m & (self.segment.unsqueeze(-1) == self.segment.unsqueeze(1))
             if self.k_valid is not None:
                 m = m & self.k_valid.unsqueeze(1)
             m = m.unsqueeze(1)
             self._masks[window] = m
         return m
+
+    def parts(self) -> list["ForwardContext"]:
+        """One prefill context per span (its positions, its image blocks; unchecked: the pack is checked once)."""
+        if self._parts is None:
+            self._parts = [ForwardContext("prefill", self.q_pos[:, s:e], self.k_pos[:, s:e], None,
+                                          None if self.block is None else self.block[:, s:e],
+                                          causal_fast_path=self.block is None, check=False, inner=self.inner)
+                           for s, e in self.spans]
+        return self._parts
 
     # ------------------------------------------------------------------ the cache-use guard
     def record_write(self, layer_idx: int, keys: torch.Tensor) -> None:
@@ -179,16 +188,25 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ctx.record_read(module, key)
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
-    inner = ctx.inner
     if ctx.check:
         ctx.seen.add((window, kwargs.get("softcap") is not None))
+    if ctx.spans is not None:  # a packed prefill: each prompt's queries attend to that prompt's keys only
+        outs = [_attend(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], part, window, scaling, kwargs)
+                for (s, e), part in zip(ctx.spans, ctx.parts())]
+        return torch.cat(outs, dim=1), None
+    return _attend(module, query, key, value, ctx, window, scaling, kwargs), None
+
+
+def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwargs) -> torch.Tensor:
+    """The attention output ``[B, Q, H, D]`` of ``engine_attention``, for one context."""
+    inner = ctx.inner
     if inner == "eager" or (kwargs.get("softcap") is not None and inner == "fused"):
         # The modeling file's own eager attention (soft-capping, scaling, GQA as the model defines them),
         # fed the additive mask transformers' eager path uses.
         m = ctx.mask(window)
         add = torch.zeros(m.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~m, torch.finfo(query.dtype).min)
-        return _eager_for(module)(module, query, key, value, add, dropout=0.0, scaling=scaling, **kwargs)
+        return _eager_for(module)(module, query, key, value, add, dropout=0.0, scaling=scaling, **kwargs)[0]
     # SDPA, as transformers' sdpa path computes it (which ignores softcap), reading K/V with native GQA.
     fast = ctx.causal_fast_path and window is None
     mask = None if fast else ctx.mask(window)
@@ -198,7 +216,7 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if q != 1 or window is not None or kwargs.get("softcap") is not None:
             raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prefix decode step reached a layer "
                                             "with a sliding window or soft-capping")
-        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx), None
+        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx)
     if q == 1 and kvh != h and mask is not None:
         # One query per row (decode): the G = H / KV query heads that share a KV head become G query rows of
         # that head, so each row's history is read once per KV head, in place. With a mask, SDPA's own GQA
@@ -206,11 +224,11 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         # same softmax, per query: query head i reads KV head i // G, as transformers' repeat_kv maps them.
         out = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
-        return out.view(b, 1, h, d), None
+        return out.view(b, 1, h, d)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
         enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _flash(q, k, v, mask, scale):

@@ -9,12 +9,26 @@ to, gathered per row (rows of different lengths, padded and masked).
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from collections import deque
 
 import torch
 
 from .attention import legacy_cache_read
+
+
+def _mapped_zeros(n: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``n`` zero tensors of ``shape`` in one anonymous memory map of their own (CPU), touched now.
+
+    Not from malloc's heap: there the pool would take the memory an earlier engine's decode rows and activations
+    freed (``engine/malloc.py`` keeps it for reuse), and this engine's first steps would fault theirs in anew, at
+    microseconds a page. Unmapped when the last tensor goes."""
+    per = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    flat = torch.frombuffer(mmap.mmap(-1, n * per), dtype=torch.uint8)
+    flat.zero_()  # the kernel's pages are zeros already: this faults them in at engine start, not in a step
+    return [flat[i * per:(i + 1) * per].view(dtype).view(shape) for i in range(n)]
 
 
 class KVCache:
@@ -55,8 +69,11 @@ class KVCache:
         if self.k:
             return
         shape = (self.num_slots + self.block_size, self.num_kv_heads, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if torch.device(self.device).type == "cpu":
+            tensors = _mapped_zeros(2 * self.num_layers, shape, self.dtype)
+        else:
+            tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * self.num_layers)]
+        self.k, self.v = tensors[:self.num_layers], tensors[self.num_layers:]
 
     def release_storage(self) -> None:
         """Free the tensors (offload); only legal when no block is in use."""

@@ -178,7 +178,7 @@ class ModelRunner:
     def prefill_packed(self, items: list[tuple], adapter: str | None = None, scorers: list | None = None):
         """Several prompts (``(ids, slots, prompt)`` each, all with ``adapter``; a lone item may add ``start``,
         its positions already cached, see ``prefill_chunked``) in one forward: packed into one
-        row, each position attending only to its own prompt (``ForwardContext.segment``), with its own positions
+        row, each position attending only to its own prompt (``ForwardContext.spans``), with its own positions
         (M-RoPE rows included) and the vision tower run once over all their images. Returns [(logits [V],
         rope_delta)] per prompt. ``scorers[i]``: a PromptScorer for item i (every position's logits), or None."""
         scorers = scorers or [None] * len(items)
@@ -186,7 +186,7 @@ class ModelRunner:
             ids, slots, prompt, *start = items[0]
             return [self.prefill_chunked(ids, slots, prompt, adapter, *(start or [0]), scorer=scorers[0])]
         dev = self.device
-        all_ids, all_slots, positions, seg, deltas, lasts = [], [], [], [], [], []
+        all_ids, all_slots, positions, spans, deltas, lasts = [], [], [], [], [], []
         vision, kept = [], []  # kept: packed positions whose logits come back (every one of a scored prompt)
         for i, (ids, slots, prompt) in enumerate(items):
             if not self.vision.can_pack(prompt):
@@ -203,14 +203,14 @@ class ModelRunner:
                 kept.append(len(all_ids) + len(ids) - 1)
             all_ids += ids
             all_slots += slots
-            seg += [i] * len(ids)
+            spans.append((len(all_ids) - len(ids), len(all_ids)))
             lasts.append(len(kept) - 1)  # where prompt i's last position sits among the kept rows
         input_ids = torch.tensor([all_ids], device=dev)
         position_ids = torch.cat(positions, dim=-1)
         mm = self.vision.pack(vision)
         block = self.vision.image_blocks(input_ids)
         pos_1d = torch.cat([torch.arange(len(ids), device=dev) for ids, _, _ in items]).unsqueeze(0)
-        ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, segment=torch.tensor([seg], device=dev))
+        ctx = ForwardContext("prefill", pos_1d, pos_1d, None, block, spans=spans)
         view = CacheView(self.kv, torch.tensor(all_slots, device=dev), None, 0, ctx)
         logits = self._forward(input_ids, position_ids, ctx, view, self.adapter_names([adapter]),
                                keep=torch.tensor(kept, device=dev), **mm)
