@@ -200,12 +200,42 @@ def test_rows_are_sized_to_what_each_row_holds_of_its_own():
     assert ws2.k[0].shape[2] <= 32, "a short whole row beside the group does not size every row to the prompt"
 
 
+def test_the_prefix_store_holds_as_many_entries_as_groups():
+    """Groups joining in one step (the first decode step after a GRPO prefill), their prompts of growing lengths:
+    the prefix store is sized once, to the groups' count and the longest prompt, and each entry holds its own
+    prompt's keys. (Grown entry by entry, it doubled its entries whenever a longer prompt came: 1024 entries for
+    16 groups.) Groups arriving in a later step grow it by half again."""
+    cache = KVCache(2, 2, 8, num_blocks=400, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape))
+    tables, lengths = {}, {}
+    for g in range(10):
+        prompt = cache.allocate(3 + g)  # 12, 16, ... 48 shared positions
+        for j in range(3):
+            tables[(f"g{g}s{j}", 0)] = cache.share(prompt) + cache.allocate(1)
+            lengths[(f"g{g}s{j}", 0)] = 4 * (3 + g) + 1
+    ws = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
+    keys = [k for k in tables if int(k[0][1:k[0].index("s")]) < 8]
+    ws.arrange(keys, [lengths[k] for k in keys], [tables[k] for k in keys], hint=(30, 60))
+    assert len(ws.pkeys) == 8 and ws.pk[0].shape[0] == 8, ws.pk[0].shape
+    assert ws.pk[0].shape[2] == 48 and ws.plens == sorted(ws.plens), "entries in order of length"
+    for e, key in enumerate(ws.pkeys):
+        slots = torch.tensor(cache.slots([b for b, _ in key], 0, ws.plens[e]))
+        assert torch.equal(ws.pk[1][e, :, :ws.plens[e]], cache.k[1][slots].transpose(0, 1))
+    ws.advance()
+    later = keys + [k for k in tables if k not in keys]
+    ws.arrange(later, [lengths[k] + (k in keys) for k in later], [tables[k] for k in later], hint=(30, 60))
+    assert len(ws.pkeys) == 10 and ws.pk[0].shape[0] == 12 and ws.pk[0].shape[2] == 48, ws.pk[0].shape
+
+
+@pytest.mark.parametrize("chunks", [None, [(0, 1, 16), (1, 2, 24)]])
 @pytest.mark.parametrize("g", [1, 2, 4])
-def test_split_attention_equals_sdpa_over_the_whole_history(g):
+def test_split_attention_equals_sdpa_over_the_whole_history(g, chunks):
     """The merged (prefix + own) attention against SDPA over prefix ++ own positions, rows with and without a
-    prefix, entries of different lengths, one padded member slot."""
+    prefix, entries of different lengths, one padded member slot; the entries read in one attention call, or in
+    two, each padded only to its own longest entry (``prefix_chunks``)."""
     torch.manual_seed(0)
-    from unsloth_rollout.engine.decode_backend import PrefixBatch
+    from unsloth_rollout.engine.prefix_batch import PrefixBatch
 
     kvh, d, bs = 2, 16, 8
     plens, members = [16, 24], [[0, 2, 3], [4]]  # row 1 has no prefix
@@ -226,7 +256,7 @@ def test_split_attention_equals_sdpa_over_the_whole_history(g):
     pmask = torch.zeros(2, 1, 1, pmax).masked_fill_(
         (torch.arange(pmax).view(1, -1) >= torch.tensor(plens).view(-1, 1)).view(2, 1, 1, pmax), float("-inf"))
     pb = PrefixBatch(pk, pv, 2, pmax, m, pmask, torch.tensor([x + [x[0]] * (m - len(x)) for x in members]),
-                     torch.tensor(entry), torch.tensor(slot), torch.tensor(alone))
+                     torch.tensor(entry), torch.tensor(slot), torch.tensor(alone), chunks)
     out = shared_prefix_decode(q, k, v, mask, d ** -0.5, pb, 0)
     for r in range(b):
         keys, vals = k[r, :, :own[r] + 1], v[r, :, :own[r] + 1]
@@ -237,6 +267,26 @@ def test_split_attention_equals_sdpa_over_the_whole_history(g):
         ref = torch.nn.functional.scaled_dot_product_attention(q[r:r + 1].view(1, kvh, g, d), keys[None], vals[None],
                                                                scale=d ** -0.5)
         assert (out[r].view(kvh, g, d) - ref[0]).abs().max() <= 1e-6
+
+
+def test_prefix_entries_are_read_in_two_calls_only_when_that_saves_reads():
+    """One call pads every entry to the longest; a split into two contiguous ranges pays for its extra call
+    (SPLIT_COST positions) in padded positions it does not read."""
+    from unsloth_rollout.engine.prefix_batch import SPLIT_COST, prefix_chunks
+
+    assert prefix_chunks([256]) == [(0, 1, 256)]
+    assert prefix_chunks([64, 64, 64]) == [(0, 3, 64)], "equal lengths: nothing to save"
+    # 8 short entries and 2 long ones, in order of length (as arrange creates them): split between them
+    assert prefix_chunks([48] * 8 + [256] * 2) == [(0, 8, 48), (8, 10, 256)]
+    # saving less than one call's cost: one call
+    small = [128 - SPLIT_COST // 8] + [128]
+    assert prefix_chunks(small) == [(0, 2, 128)]
+    # any order: each range padded to its own longest, and never more padded positions than one call
+    plens = [96, 256, 48, 160, 32, 256, 80]
+    chunks = prefix_chunks(plens)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(plens) and all(c[1] == n[0] for c, n in zip(chunks, chunks[1:]))
+    assert all(p == max(plens[a:b]) for a, b, p in chunks)
+    assert sum((b - a) * p for a, b, p in chunks) + SPLIT_COST * (len(chunks) - 1) <= len(plens) * max(plens)
 
 
 def _windowed_or_capped(cfg) -> bool:

@@ -61,7 +61,7 @@ class ForwardContext:
     spans: list | None = None
     inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
     # decode over rows that hold only their own positions: the shared prefixes they attend to as well
-    # (decode_backend.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
+    # (prefix_batch.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
     prefix: object | None = None
     # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
     seen: set = field(default_factory=set)
@@ -252,10 +252,12 @@ def shared_prefix_decode(query, key, value, mask, scaling, pb, layer_idx):
     g = h // kvh
     qg = query.reshape(b, kvh, g, d)
     o1, l1 = _flash(qg, key, value, mask, scaling)  # [B, KV, G, D], [B, KV, G]
-    pk, pv = pb.pk[layer_idx][:pb.n, :, :pb.pmax], pb.pv[layer_idx][:pb.n, :, :pb.pmax]
+    pk, pv = pb.pk[layer_idx], pb.pv[layer_idx]
     qp = qg[pb.q_index]  # [n, m, KV, G, D]: each entry's rows
     qp = qp.permute(0, 2, 1, 3, 4).reshape(pb.n, kvh, pb.m * g, d)
-    o2, l2 = _flash(qp, pk.to(query.dtype), pv.to(query.dtype), pb.mask.to(query.dtype), scaling)
+    parts = [_flash(qp[a:b], pk[a:b, :, :p].to(query.dtype), pv[a:b, :, :p].to(query.dtype),
+                    pb.mask[a:b, :, :, :p].to(query.dtype), scaling) for a, b, p in pb.chunks]
+    o2, l2 = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts]), torch.cat([l for _, l in parts]))
     o2 = o2.view(pb.n, kvh, pb.m, g, d).permute(0, 2, 1, 3, 4)[pb.entry, pb.slot]  # back to rows: [B, KV, G, D]
     l2 = l2.view(pb.n, kvh, pb.m, g).permute(0, 2, 1, 3)[pb.entry, pb.slot]
     l2 = l2.masked_fill(pb.alone.view(b, 1, 1), float("-inf"))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import CacheView, KVCache
+from .prefix_batch import PrefixBatch
 
 DECODE_BACKENDS = ("gather", "workspace", "static")
 
@@ -215,8 +216,8 @@ class DecodeWorkspace:
         e = len(self.pkeys)
         cur_e = self.pk[0].shape[0] if self.pk else 0
         cur_c = self.pk[0].shape[2] if self.pk else 0
-        if e >= cur_e or n > cur_c:
-            new_e, new_c = max(e + 1, 2 * cur_e, 4), max(cur_c, -(-n // 16) * 16)
+        if e >= cur_e or n > cur_c:  # not grown for it by arrange (_grow_prefix_store)
+            new_e, new_c = max(e + 1, 2 * cur_e, 4) if e >= cur_e else cur_e, max(cur_c, -(-n // 16) * 16)
             for store in (self.pk, self.pv):
                 self._regrow(store, new_e, new_c, e, cur_c)
         self._from_pool(self.pk, self.pv, e, c.slots([b for b, _ in key], 0, n))
@@ -239,15 +240,34 @@ class DecodeWorkspace:
         if not self.pkeys:
             self.pk, self.pv = [], []
 
+    def _prefix_shape(self, keys: list[tuple]) -> tuple[int, int]:
+        """(entries, capacity) of a prefix store holding ``keys`` (new ones included): the entries it holds now, or
+        the distinct keys, and half as many again once it has grown before (groups that arrive later); the
+        longest key's positions."""
+        cur_e = self.pk[0].shape[0] if self.pk else 0
+        cur_c = self.pk[0].shape[2] if self.pk else 0
+        need = len(set(keys))
+        n = max((len(k) for k in keys), default=0) * self.cache.block_size
+        ents = cur_e if need <= cur_e else max(need, cur_e + cur_e // 2)
+        return ents, max(cur_c, -(-n // 16) * 16)
+
     def _prefix_bytes_for(self, keys: list[tuple]) -> int:
         """Bytes the prefix store would take holding ``keys`` (new ones included)."""
         if not keys:
             return 0
-        c = self.cache
-        n = max(len(k) for k in keys) * c.block_size
-        cap = max(self.pk[0].shape[2] if self.pk else 0, -(-n // 16) * 16)
-        ents = max(self.pk[0].shape[0] if self.pk else 0, len(set(keys)))
+        ents, cap = self._prefix_shape(keys)
         return ents * cap * self.bytes_per_position
+
+    def _grow_prefix_store(self, keys: list[tuple]) -> None:
+        """Room for ``keys`` in the prefix store, in one regrow: the entries a step adds are then filled in place
+        (growing entry by entry doubled the entries each time a longer prefix arrived: 1024 entries of which 16
+        were used, on the default bench, once joiners came in order of length)."""
+        cur_e = self.pk[0].shape[0] if self.pk else 0
+        cur_c = self.pk[0].shape[2] if self.pk else 0
+        ents, cap = self._prefix_shape(keys)
+        if ents > cur_e or cap > cur_c:
+            for store in (self.pk, self.pv):
+                self._regrow(store, ents, cap, len(self.pkeys), cur_c)
 
     # ------------------------------------------------------------------ the calls
     def arrange(self, keys: list[tuple], lengths: list[int], block_tables: list[list[int]],
@@ -305,6 +325,9 @@ class DecodeWorkspace:
         if self.gathering:
             self.fallbacks += 1
             return None
+        joiners.sort(key=lambda i: origin[i])  # new prefix entries in order of length (``prefix_chunks``)
+        if any(origin[i] for i in joiners):
+            self._grow_prefix_store(self.pkeys + [pkey[i] for i in joiners if origin[i]])
         for i in joiners:
             row = self.rows
             self.keys.append(keys[i])
@@ -336,26 +359,8 @@ class DecodeWorkspace:
         return back
 
     def prefix_batch(self, device) -> "PrefixBatch | None":
-        """The prefix entries of this step's rows, laid out for one attention over them (None: no entry)."""
-        if not self.pkeys:
-            return None
-        n_e, pmax = len(self.pkeys), max(self.plens)
-        members: list[list[int]] = [[] for _ in range(n_e)]
-        slot = [0] * self.rows
-        for r, e in enumerate(self.row_entry):
-            if e >= 0:
-                slot[r] = len(members[e])
-                members[e].append(r)
-        m = max(len(x) for x in members)
-        q_index = [x + [x[0]] * (m - len(x)) for x in members]  # padded with a member (its result is unused)
-        plens = torch.tensor(self.plens, device=device)
-        mask = torch.zeros((n_e, 1, 1, pmax), dtype=self.cache.dtype, device=device).masked_fill_(
-            (torch.arange(pmax, device=device).view(1, -1) >= plens.view(-1, 1)).view(n_e, 1, 1, pmax),
-            float("-inf"))
-        entry = torch.tensor([max(e, 0) for e in self.row_entry], device=device)
-        return PrefixBatch(self.pk, self.pv, n_e, pmax, m, mask, torch.tensor(q_index, device=device), entry,
-                           torch.tensor(slot, device=device),
-                           torch.tensor([e < 0 for e in self.row_entry], device=device))
+        """The prefix entries of this step's rows, laid out for the attention over them (None: no entry)."""
+        return PrefixBatch.of(self.pk, self.pv, self.plens, self.row_entry, self.cache.dtype, device)
 
     def view(self, write_slots: torch.Tensor, lengths: torch.Tensor, key_len: int, ctx=None) -> "WorkspaceView":
         """The cache view of a decode step over rows 0..B-1 (in ``arrange``'s order): the new token goes into the
@@ -367,16 +372,6 @@ class DecodeWorkspace:
     def advance(self) -> None:
         """After a decode forward that wrote one token into every row."""
         self.lengths = [n + 1 for n in self.lengths]
-
-
-class PrefixBatch:
-    """One decode step's shared prefixes: ``pk[layer][:n, :, :pmax]`` hold entry e's ``plens[e]`` positions
-    (``mask``: additive [n, 1, 1, pmax]); ``q_index`` [n, m]: the rows reading each entry (padded); per row,
-    ``entry`` / ``slot``: where it sits in ``q_index``, ``alone``: True for rows without a prefix entry."""
-
-    def __init__(self, pk, pv, n, pmax, m, mask, q_index, entry, slot, alone):
-        self.pk, self.pv, self.n, self.pmax, self.m = pk, pv, n, pmax, m
-        self.mask, self.q_index, self.entry, self.slot, self.alone = mask, q_index, entry, slot, alone
 
 
 class WorkspaceView(CacheView):
