@@ -203,7 +203,8 @@ class DecodeWorkspace:
         return tuple((b, c.generation[b]) for b in block_table[:n])
 
     def _entry(self, key: tuple) -> int:
-        """The prefix entry holding the positions of these shared blocks, filled from the pool when new."""
+        """The prefix entry holding the positions of these shared blocks, filled from the pool when new (in the
+        room ``arrange`` made for the step's new entries: ``_grow_prefix_store``)."""
         try:
             e = self.pkeys.index(key)
         except ValueError:
@@ -214,12 +215,6 @@ class DecodeWorkspace:
         c = self.cache
         n = len(key) * c.block_size
         e = len(self.pkeys)
-        cur_e = self.pk[0].shape[0] if self.pk else 0
-        cur_c = self.pk[0].shape[2] if self.pk else 0
-        if e >= cur_e or n > cur_c:  # not grown for it by arrange (_grow_prefix_store)
-            new_e, new_c = max(e + 1, 2 * cur_e, 4) if e >= cur_e else cur_e, max(cur_c, -(-n // 16) * 16)
-            for store in (self.pk, self.pv):
-                self._regrow(store, new_e, new_c, e, cur_c)
         self._from_pool(self.pk, self.pv, e, c.slots([b for b, _ in key], 0, n))
         self.pkeys.append(key)
         self.plens.append(n)
@@ -240,12 +235,15 @@ class DecodeWorkspace:
         if not self.pkeys:
             self.pk, self.pv = [], []
 
+    def _store_dims(self) -> tuple[int, int]:
+        """(entries, capacity) the prefix store has room for now."""
+        return (self.pk[0].shape[0], self.pk[0].shape[2]) if self.pk else (0, 0)
+
     def _prefix_shape(self, keys: list[tuple]) -> tuple[int, int]:
         """(entries, capacity) of a prefix store holding ``keys`` (new ones included): the entries it holds now, or
         the distinct keys, and half as many again once it has grown before (groups that arrive later); the
         longest key's positions."""
-        cur_e = self.pk[0].shape[0] if self.pk else 0
-        cur_c = self.pk[0].shape[2] if self.pk else 0
+        cur_e, cur_c = self._store_dims()
         need = len(set(keys))
         n = max((len(k) for k in keys), default=0) * self.cache.block_size
         ents = cur_e if need <= cur_e else max(need, cur_e + cur_e // 2)
@@ -262,8 +260,7 @@ class DecodeWorkspace:
         """Room for ``keys`` in the prefix store, in one regrow: the entries a step adds are then filled in place
         (growing entry by entry doubled the entries each time a longer prefix arrived: 1024 entries of which 16
         were used, on the default bench, once joiners came in order of length)."""
-        cur_e = self.pk[0].shape[0] if self.pk else 0
-        cur_c = self.pk[0].shape[2] if self.pk else 0
+        cur_e, cur_c = self._store_dims()
         ents, cap = self._prefix_shape(keys)
         if ents > cur_e or cap > cur_c:
             for store in (self.pk, self.pv):

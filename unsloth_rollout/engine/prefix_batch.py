@@ -6,6 +6,8 @@ The decode workspace (decode_backend.py) holds each shared prefix once, as an en
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 # What one more attention call over the prefix entries costs, in entry positions it would have to save (on the
@@ -19,20 +21,14 @@ def prefix_chunks(plens: list[int]) -> list[tuple[int, int, int]]:
     positions by more than SPLIT_COST. Entries join in order of length (``arrange``), so one split point separates
     short prompts from long ones."""
     n = len(plens)
-    whole = [(0, n, max(plens))]
-    if n < 2:
-        return whole
-    pre, suf = list(plens), list(plens)
-    for i in range(1, n):
-        pre[i] = max(pre[i - 1], plens[i])
-    for i in range(n - 2, -1, -1):
-        suf[i] = max(suf[i + 1], plens[i])
+    pre = list(accumulate(plens, max))  # pre[k]: the longest of entries 0..k
+    suf = list(accumulate(reversed(plens), max))[::-1]  # suf[k]: the longest of entries k..n-1
     best, k_best = n * pre[-1], 0
     for k in range(1, n):
         cost = k * pre[k - 1] + (n - k) * suf[k] + SPLIT_COST
         if cost < best:
             best, k_best = cost, k
-    return whole if not k_best else [(0, k_best, pre[k_best - 1]), (k_best, n, suf[k_best])]
+    return [(0, n, pre[-1])] if not k_best else [(0, k_best, pre[k_best - 1]), (k_best, n, suf[k_best])]
 
 
 class PrefixBatch:
