@@ -212,6 +212,11 @@ class EngineConfig:
             vLLM's ``--max-lora-rank`` refuses them (vLLM's default is 16, sized for its kernels' buffers; here a
             rank costs only its memory, so the default is 256). The policy's own adapter is not bound by it.
         max_loras: most adapters loaded by name at once (None: no limit); a load beyond it is refused.
+        mm_processor_cache_bytes: most bytes of image-processor outputs kept for images seen recently
+            (engine/mm_cache.py; vLLM's ``mm_processor_cache_gb``), so the n requests of a GRPO group that carry
+            one image run the image processor once. Keyed by the images' content and the processed text: a hit
+            is what the processor returns. 0 turns it off. ``stats()``: ``mm_processor_cache_hits`` / ``_misses``
+            / ``_bytes``.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -232,6 +237,7 @@ class EngineConfig:
     cpu_retain_freed_memory: bool = True
     max_lora_rank: int = 256
     max_loras: int | None = None
+    mm_processor_cache_bytes: int = 256 << 20
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
@@ -259,5 +265,7 @@ class EngineConfig:
                f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
         _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",
                f"must be an integer >= 1, got {self.max_lora_rank!r}")
+        _check(_is_int(self.mm_processor_cache_bytes) and self.mm_processor_cache_bytes >= 0,
+               "mm_processor_cache_bytes", f"must be an integer >= 0, got {self.mm_processor_cache_bytes!r}")
         _check(self.max_loras is None or (_is_int(self.max_loras) and self.max_loras >= 1), "max_loras",
                f"must be an integer >= 1 or None, got {self.max_loras!r}")

@@ -75,7 +75,7 @@ class EngineCore:
         self.policy = policy
         self.config = config
         self.tokenizer = policy.tokenizer
-        self.inputs = InputPreparer(policy)
+        self.inputs = InputPreparer(policy, config.mm_processor_cache_bytes)
         self.kv = build_kv_cache(text_dims(policy.text_config), policy.dtype, policy.device, config)
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,

@@ -22,6 +22,7 @@ import torch
 
 from ..models.families import family_of
 from .config import InvalidRequestError
+from .mm_cache import ProcessorCache
 from .request import GenerationRequest
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -164,8 +165,9 @@ def _split_messages(messages: list[dict], is_vlm: bool) -> tuple[list[dict], lis
 class InputPreparer:
     """Tokenize and expand requests for one policy (shared by every front end)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, cache_bytes: int = 0):
         self.policy = policy
+        self.cache = ProcessorCache(cache_bytes)  # processor outputs of recent images (mm_cache.py)
         self.tokenizer = policy.tokenizer
         self.processor = policy.processor
         cfg = policy.config
@@ -248,33 +250,37 @@ class InputPreparer:
             raise InvalidRequestError("images", "this model has no image processor")
         return [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
 
-    def _process(self, text: str, pil: list) -> dict:
-        try:
-            enc = self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
-        except Exception as e:
-            raise InvalidRequestError("images", f"images: the processor failed: {e}") from None
-        return dict(enc)
+    def _process(self, text: str, pil: list, hashes: tuple[str, ...]) -> dict:
+        def run():
+            try:
+                return dict(self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False))
+            except Exception as e:
+                raise InvalidRequestError("images", f"images: the processor failed: {e}") from None
 
-    def _prompt(self, ids: list[int], enc: dict, pil: list) -> PreparedPrompt:
+        return self.cache.get(("processor", text, hashes), run)
+
+    def _prompt(self, ids: list[int], enc: dict, hashes: tuple[str, ...]) -> PreparedPrompt:
         extra = {k: v for k, v in enc.items() if k not in _NOT_FORWARDED and k != "pixel_values"}
-        return PreparedPrompt(ids, enc["pixel_values"], None, tuple(image_hash(im) for im in pil), extra)
+        return PreparedPrompt(ids, enc["pixel_values"], None, hashes, extra)
 
     def _with_images_text(self, text: str, images: list[Any]) -> PreparedPrompt:
         """Chat text with one placeholder per image: the family's processor expands it, as in training."""
         pil = self._load_images(images)
-        enc = self._process(text, pil)
-        return self._prompt(enc["input_ids"][0].tolist(), enc, pil)
+        hashes = tuple(image_hash(im) for im in pil)
+        enc = self._process(text, pil, hashes)
+        return self._prompt(enc["input_ids"][0].tolist(), enc, hashes)
 
     def _with_processor(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
         """Token ids holding either one placeholder per image or the processor's full expansion."""
         pil = self._load_images(images)
+        hashes = tuple(image_hash(im) for im in pil)
         placeholder = getattr(self.processor, "image_token", None)
         placeholder_id = self._token_id(placeholder)
         if placeholder_id is None:
             raise InvalidRequestError("images", "the processor of this model names no image placeholder token")
         # Each image's expansion, as the processor writes it for a lone placeholder.
-        segments = [self._process(placeholder, [im])["input_ids"][0].tolist() for im in pil]
-        enc = self._process(placeholder * len(pil), pil)
+        segments = [self._process(placeholder, [im], (h,))["input_ids"][0].tolist() for im, h in zip(pil, hashes)]
+        enc = self._process(placeholder * len(pil), pil, hashes)
         per_image = [seg.count(self.image_token_id) for seg in segments]
         n_image_tokens = sum(1 for t in ids if t == self.image_token_id)
         n_placeholders = sum(1 for t in ids if t == placeholder_id)
@@ -293,7 +299,7 @@ class InputPreparer:
                 "input_ids", f"input_ids has {n_image_tokens} image tokens and {n_placeholders} placeholder(s); for "
                 f"{len(pil)} image(s) expected {len(pil)} placeholder(s) {placeholder!r} or {sum(per_image)} "
                 "expanded image tokens")
-        return self._prompt(expanded, enc, pil)
+        return self._prompt(expanded, enc, hashes)
 
     def _with_images(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
         if images and not self.grid:
@@ -308,10 +314,15 @@ class InputPreparer:
         if self.processor is None:
             raise InvalidRequestError("images", "this model has no image processor")
         pil = [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
-        try:
-            enc = self.processor.image_processor(images=pil, return_tensors="pt")
-        except Exception as e:
-            raise InvalidRequestError("images", f"images: the image processor failed: {e}") from None
+        hashes = tuple(image_hash(im) for im in pil)
+
+        def run():
+            try:
+                return dict(self.processor.image_processor(images=pil, return_tensors="pt"))
+            except Exception as e:
+                raise InvalidRequestError("images", f"images: the image processor failed: {e}") from None
+
+        enc = self.cache.get(("image_processor", hashes), run)
         grid = enc["image_grid_thw"]
         per_image = [int(g.prod()) // (self.merge_size ** 2) for g in grid]
         total = sum(per_image)
@@ -332,7 +343,7 @@ class InputPreparer:
                     "input_ids", f"input_ids has {n_placeholders} image tokens; for {len(pil)} image(s) expected "
                     f"{len(pil)} placeholder(s) or {total} expanded tokens (or, per image, one or its "
                     f"{per_image} tokens)")
-        return PreparedPrompt(expanded, enc["pixel_values"], grid, tuple(image_hash(im) for im in pil))
+        return PreparedPrompt(expanded, enc["pixel_values"], grid, hashes)
 
     def _expand_runs(self, ids: list[int], per_image: list[int]) -> list[int] | None:
         """Expand each image's run of image tokens that is a single placeholder; runs already expanded stay.
