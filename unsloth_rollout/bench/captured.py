@@ -5,8 +5,11 @@ layers (36: Qwen2.5-3B's depth), random weights, LoRA r=``lora`` on every projec
 not arithmetic. ``batch`` sequences with distinct random prompts of ``context`` tokens decode ``steps`` steps
 (contexts grow by ``steps`` tokens), sampled at T=1 without EOS.
 
-- HF: ``generate()`` on the whole batch (``min_new_tokens == max_new_tokens``, DynamicCache), its decode step
-  = (time for ``1 + steps`` new tokens - time for 1 new token) / ``steps`` (the prefill cancels out).
+- HF: ``generate()`` on the whole batch (``min_new_tokens == max_new_tokens``, DynamicCache) for ``1 + steps``
+  new tokens; its decode step = the median interval between consecutive calls of a stopping criterion that
+  only reads the clock (generate calls it once per step, after the step's forward and sampling), so the prefill
+  is not in it. (Before 2026-12-02 it was (time for 1 + steps tokens - time for 1 token) / steps, which a
+  disturbed prefill could make negative.)
 - each engine decode backend: an ``EngineCore`` built (``warmup_s``: its construction, which compiles the
   captured step), the prompts prefilled, then ``steps`` decode steps timed; recompiles = torch._dynamo graphs
   compiled after construction.
@@ -35,18 +38,25 @@ def _graphs() -> int:
 
 
 def hf_step_ms(policy, prompts, steps: int) -> float:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Clock(StoppingCriteria):  # called once per generated token, after that step's forward and sampling
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-
-    def gen(n):
-        t = time.perf_counter()
-        with torch.inference_mode():
-            policy.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-        return time.perf_counter() - t
-
-    one = gen(1)
-    return 1000 * (gen(1 + steps) - one) / steps
+    clock = Clock()
+    with torch.inference_mode():
+        policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1 + steps,
+                              min_new_tokens=1 + steps, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              stopping_criteria=StoppingCriteriaList([clock]))
+    gaps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # the first call follows the prefill
+    assert len(gaps) == steps, (len(clock.times), steps)
+    return 1000 * statistics.median(gaps)
 
 
 def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed: int) -> dict:
