@@ -100,6 +100,16 @@ class ForwardContext:
             self._masks[window] = m
         return m
 
+    def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """``mask(window)`` as SDPA turns a boolean mask into a float one (0 where True, -inf where False), made
+        once per forward instead of in every layer's attention call (where SDPA on CPU converts it twice)."""
+        m = self._masks.get((window, dtype))
+        if m is None:
+            b = self.mask(window)
+            m = torch.zeros(b.shape, dtype=dtype, device=b.device).masked_fill_(~b, float("-inf"))
+            self._masks[(window, dtype)] = m
+        return m
+
     def parts(self) -> list["ForwardContext"]:
         """One prefill context per span (its positions, its image blocks; unchecked: the pack is checked once)."""
         if self._parts is None:
@@ -209,7 +219,7 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
         return _eager_for(module)(module, query, key, value, add, dropout=0.0, scaling=scaling, **kwargs)[0]
     # SDPA, as transformers' sdpa path computes it (which ignores softcap), reading K/V with native GQA.
     fast = ctx.causal_fast_path and window is None
-    mask = None if fast else ctx.mask(window)
+    mask = None if fast else ctx.additive_mask(window, query.dtype)
     b, h, q, d = query.shape
     kvh = key.shape[1]
     if ctx.prefix is not None:

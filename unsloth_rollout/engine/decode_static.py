@@ -171,9 +171,9 @@ class StaticDecode:
         ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False)
         ctx.inner = r._inner
         for w in self._windows:  # built once per step, outside the region: every layer reads the same masks
-            m = ctx.mask(w)
-            torch._dynamo.mark_dynamic(m, 0)
-            torch._dynamo.mark_dynamic(m, 3)
+            for m in (ctx.mask(w), ctx.additive_mask(w, r.policy.dtype)):
+                torch._dynamo.mark_dynamic(m, 0)
+                torch._dynamo.mark_dynamic(m, 3)
         view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, k_pos.shape[0], ctx)
         rows = view.rows
         torch._dynamo.mark_dynamic(rows, 0)
