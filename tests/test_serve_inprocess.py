@@ -14,7 +14,7 @@ pytest.importorskip("httpx")
 import torch  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from unsloth_rollout import EngineConfig, RolloutEngine, load_model  # noqa: E402
+from unsloth_rollout import EngineConfig, InvalidRequestError, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.testing.tiny import build_tiny_model  # noqa: E402
 
 KEY = "s3cret"
@@ -113,6 +113,21 @@ def test_cli_parses_vllm_style_arguments():
     assert _parse_loras(args.lora) == [("a", "/p/a"), ("b", "/p/b")]
     with pytest.raises(SystemExit):
         _parse_loras(["no-equals-sign"])
+
+
+def test_cli_sizes_the_image_processor_cache_as_vllm_does():
+    from unsloth_rollout.cli import build_parser
+    from unsloth_rollout.serve.cli import engine_config
+
+    def config(*flags):
+        return engine_config(build_parser().parse_args(["serve", "/m", *flags]))
+
+    assert config().mm_processor_cache_bytes == EngineConfig().mm_processor_cache_bytes == 256 << 20
+    assert config("--mm-processor-cache-bytes", "1GiB").mm_processor_cache_bytes == 1 << 30
+    assert config("--mm-processor-cache-gb", "0.5").mm_processor_cache_bytes == 1 << 29  # vLLM's flag, in GiB
+    assert config("--mm-processor-cache-gb", "0").mm_processor_cache_bytes == 0
+    with pytest.raises(InvalidRequestError, match="mm_processor_cache_bytes"):
+        config("--mm-processor-cache-gb", "-1")
 
 
 def test_serve_in_thread_with_the_openai_client(policy):

@@ -28,6 +28,8 @@ ENGINE_FLAGS = {
     "prefix_cache": "do not share the KV of identical prompt prefixes",
     "max_lora_rank": "refuse adapters of a higher LoRA rank (/server_info's lora_config reports it)",
     "max_loras": "most adapters loaded by name at once (default: no limit)",
+    "mm_processor_cache_bytes": "bytes of image-processor outputs kept for repeated images, e.g. 4GiB; 0: off "
+                                "(default: 256MiB)",
 }
 
 
@@ -48,8 +50,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
     g = p.add_argument_group("engine")
     options = {name: {"help": text} for name, text in ENGINE_FLAGS.items()}
-    options["kv_cache_memory_bytes"]["type"] = parse_bytes
+    options["kv_cache_memory_bytes"]["type"] = options["mm_processor_cache_bytes"]["type"] = parse_bytes
     add_dataclass_arguments(g, EngineConfig, names=ENGINE_FLAGS, options=options)
+    g.add_argument("--mm-processor-cache-gb", type=float, default=None,
+                   help="vLLM's spelling of --mm-processor-cache-bytes, in GiB")
     g.add_argument("--seed", type=int, default=None, help="sampler seed for requests without their own seed")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -69,9 +73,18 @@ def _parse_loras(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig the ``serve`` flags describe (vLLM's ``--mm-processor-cache-gb`` overrides the bytes)."""
+    from ..engine import EngineConfig
+
+    if args.mm_processor_cache_gb is not None:
+        args.mm_processor_cache_bytes = int(args.mm_processor_cache_gb * (1 << 30))
+    return from_namespace(EngineConfig, args, names=ENGINE_FLAGS)
+
+
 def build_app(args: argparse.Namespace):
     """Load the model and engine described by ``args`` and return the app (the CLI without uvicorn)."""
-    from ..engine import EngineConfig, RolloutEngine
+    from ..engine import RolloutEngine
     from ..models import load_model
     from .app import create_app
     from .weight_transfer import parse_weight_transfer_config
@@ -85,8 +98,7 @@ def build_app(args: argparse.Namespace):
         raise SystemExit(f"--weight-transfer-config: {e}") from None
     policy = load_model(args.model, backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         max_seq_length=args.max_model_len, device=args.device)
-    config = from_namespace(EngineConfig, args, names=ENGINE_FLAGS)
-    engine = RolloutEngine(policy, config, seed=args.seed)
+    engine = RolloutEngine(policy, engine_config(args), seed=args.seed)
     for name, path in loras:
         engine.load_lora_adapter(name, path)
     return create_app(engine, settings)
