@@ -130,3 +130,44 @@ def test_the_cache_keeps_within_its_bytes_least_recently_used_out_first():
 def test_the_cache_size_is_validated_by_name():
     with pytest.raises(InvalidRequestError, match="mm_processor_cache_bytes"):
         EngineConfig(mm_processor_cache_bytes=-1)
+
+
+def test_encoded_images_are_decoded_once_and_file_paths_are_read_every_time(qwen2_5_vl_dir, tmp_path):
+    """AReaL sends a group's image as the same base64 string n times: decoded once (keyed by its bytes), the
+    prompt is the one the decoded PIL image gives. A file path is read again at every request: its file may
+    have changed."""
+    import base64
+    import io
+
+    policy = load_model(qwen2_5_vl_dir, backend="transformers")
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20))
+    cache = engine.core.inputs.cache
+    img = random_images(1, seed=6)[0].resize((120, 96))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    png = buf.getvalue()
+    b64 = base64.b64encode(png).decode()
+    assert len(b64) >= 4096  # never taken for a path
+    ref = engine.prepare(GenerationRequest(messages=MSGS, images=[img]))  # processor output cached
+    for form in (b64, "data:image/png;base64," + b64, png):
+        misses = cache.misses
+        first = engine.prepare(GenerationRequest(messages=MSGS, images=[form]))
+        assert cache.misses == misses + 1  # the decode; the processor output is the PIL image's
+        again = engine.prepare(GenerationRequest(messages=MSGS, images=[form]))
+        assert cache.misses == misses + 1
+        for p in (first, again):
+            assert p.image_hashes == ref.image_hashes and p.prompt_ids == ref.prompt_ids
+            assert torch.equal(p.pixel_values, ref.pixel_values)
+
+    path = tmp_path / "img.png"
+    path.write_bytes(png)
+    a = engine.prepare(GenerationRequest(messages=MSGS, images=[str(path)]))
+    other = random_images(1, seed=7)[0].resize((120, 96))
+    other.save(path, format="PNG")
+    b = engine.prepare(GenerationRequest(messages=MSGS, images=[str(path)]))
+    assert a.image_hashes == ref.image_hashes and b.image_hashes != a.image_hashes
+    bad = base64.b64encode(b"not an image" * 400).decode()
+    for _ in range(2):  # a failed decode is not cached: the second request fails the same way
+        with pytest.raises(InvalidRequestError, match="images"):
+            engine.prepare(GenerationRequest(messages=MSGS, images=[bad]))
+    engine.shutdown()

@@ -248,7 +248,19 @@ class InputPreparer:
     def _load_images(self, images: list[Any]) -> list:
         if self.processor is None:
             raise InvalidRequestError("images", "this model has no image processor")
-        return [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
+        return [self._image(im, f"images[{i}]") for i, im in enumerate(images)]
+
+    def _image(self, obj: Any, field: str):
+        """``load_image``, decoding an encoded image once while it is cached. Only what ``load_image`` always
+        decodes is cached: bytes, data URLs and strings too long to be a path (a file may change)."""
+        if isinstance(obj, (bytes, bytearray)):
+            data = bytes(obj)
+        elif isinstance(obj, str) and (len(obj.strip()) >= 4096 or obj.lstrip().startswith("data:")):
+            data = obj.encode()
+        else:
+            return load_image(obj, field)
+        key = ("decoded", hashlib.blake2b(data, digest_size=16).digest())
+        return self.cache.get(key, lambda: {"image": load_image(obj, field)})["image"]
 
     def _process(self, text: str, pil: list, hashes: tuple[str, ...]) -> dict:
         def run():
@@ -313,7 +325,7 @@ class InputPreparer:
             return PreparedPrompt(ids)
         if self.processor is None:
             raise InvalidRequestError("images", "this model has no image processor")
-        pil = [load_image(im, f"images[{i}]") for i, im in enumerate(images)]
+        pil = [self._image(im, f"images[{i}]") for i, im in enumerate(images)]
         hashes = tuple(image_hash(im) for im in pil)
 
         def run():

@@ -5,7 +5,10 @@ that resend a conversation). Each would run the family's image processor again: 
 about 1-2 ms an image on the bench's small images on CPU, on the thread that submits, while the engine steps.
 vLLM keeps the same kind of cache (``mm_processor_cache_gb``).
 
-The key is the images' content hashes (the ones the prefix cache keys prompts by) plus the text the processor
+Encoded images (bytes, data URLs, long base64 strings: AReaL sends each sample's image as base64) are decoded
+once too, keyed by a hash of the encoded bytes; a file path never is (its file may change between requests).
+
+The key of a processor output is the images' content hashes (the ones the prefix cache keys prompts by) plus the text the processor
 expanded, so a hit returns exactly what the processor returned for the same input. Entries are shared, never
 copied: nothing downstream writes into a processor output. Bounded by bytes (``EngineConfig.
 mm_processor_cache_bytes``; 0 turns it off), least recently used out first.
@@ -21,7 +24,14 @@ import torch
 
 
 def _nbytes(enc: dict) -> int:
-    return sum(v.numel() * v.element_size() for v in enc.values() if isinstance(v, torch.Tensor))
+    """Bytes of a cached entry: its tensors, and its PIL images' pixels."""
+    n = 0
+    for v in enc.values():
+        if isinstance(v, torch.Tensor):
+            n += v.numel() * v.element_size()
+        elif hasattr(v, "getbands"):  # a PIL image
+            n += v.width * v.height * len(v.getbands())
+    return n
 
 
 class ProcessorCache:
