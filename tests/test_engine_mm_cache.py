@@ -10,6 +10,7 @@ import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from unsloth_rollout import load_model
+from unsloth_rollout.engine.inputs import PATH_MAX_CHARS
 from unsloth_rollout.engine.mm_cache import ProcessorCache
 from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout.testing.vlm_families import VLM_FAMILIES, vlm_family_path
@@ -147,7 +148,7 @@ def test_encoded_images_are_decoded_once_and_file_paths_are_read_every_time(qwen
     img.save(buf, format="PNG")
     png = buf.getvalue()
     b64 = base64.b64encode(png).decode()
-    assert len(b64) >= 4096  # never taken for a path
+    assert len(b64) >= PATH_MAX_CHARS  # never taken for a path
     ref = engine.prepare(GenerationRequest(messages=MSGS, images=[img]))  # processor output cached
     for form in (b64, "data:image/png;base64," + b64, png):
         misses = cache.misses

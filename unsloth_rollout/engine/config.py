@@ -216,8 +216,8 @@ class EngineConfig:
             (engine/mm_cache.py; vLLM's ``mm_processor_cache_gb``), so the n requests of a GRPO group that carry
             one image run the image processor once. Keyed by the images' content and the processed text: a hit
             is what the processor returns. Encoded images (bytes, data URLs, base64 strings) are decoded once
-            as well, keyed by their bytes (file paths are read every time). 0 turns it off. ``stats()``: ``mm_processor_cache_hits`` / ``_misses``
-            / ``_bytes``.
+            as well, keyed by their bytes (file paths are read every time). 0 turns it off. ``stats()``:
+            ``mm_processor_cache_hits`` / ``_misses`` / ``_bytes`` (decodes and processor outputs together).
     """
 
     kv_cache_memory_bytes: int | None = None

@@ -26,6 +26,8 @@ from .mm_cache import ProcessorCache
 from .request import GenerationRequest
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A string image at least this long is never taken for a file path: it is base64.
+PATH_MAX_CHARS = 4096
 # Formats PIL may decode from a request. Without a list PIL tries every plugin it has, EPS included, whose
 # load() runs Ghostscript on the client's PostScript: a program from the request, evaluated.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -80,7 +82,7 @@ def load_image(obj: Any, field: str = "images"):
             if s.startswith("data:"):
                 _, _, s = s.partition(",")
                 data = _b64(s, field)
-            elif len(s) < 4096 and os.path.isfile(s):
+            elif len(s) < PATH_MAX_CHARS and os.path.isfile(s):
                 with open(s, "rb") as f:
                     data = f.read()
             else:
@@ -245,17 +247,19 @@ class InputPreparer:
         return self._with_images(list(ids), images)
 
     # ------------------------------------------------------------------ families whose processor expands images
-    def _load_images(self, images: list[Any]) -> list:
+    def _load_images(self, images: list[Any]) -> tuple[list, tuple[str, ...]]:
+        """The request's images as PIL images, and their content hashes."""
         if self.processor is None:
             raise InvalidRequestError("images", "this model has no image processor")
-        return [self._image(im, f"images[{i}]") for i, im in enumerate(images)]
+        pil = [self._image(im, f"images[{i}]") for i, im in enumerate(images)]
+        return pil, tuple(image_hash(im) for im in pil)
 
     def _image(self, obj: Any, field: str):
         """``load_image``, decoding an encoded image once while it is cached. Only what ``load_image`` always
         decodes is cached: bytes, data URLs and strings too long to be a path (a file may change)."""
         if isinstance(obj, (bytes, bytearray)):
             data = bytes(obj)
-        elif isinstance(obj, str) and (len(obj.strip()) >= 4096 or obj.lstrip().startswith("data:")):
+        elif isinstance(obj, str) and (len(obj.strip()) >= PATH_MAX_CHARS or obj.lstrip().startswith("data:")):
             data = obj.encode()
         else:
             return load_image(obj, field)
@@ -277,15 +281,13 @@ class InputPreparer:
 
     def _with_images_text(self, text: str, images: list[Any]) -> PreparedPrompt:
         """Chat text with one placeholder per image: the family's processor expands it, as in training."""
-        pil = self._load_images(images)
-        hashes = tuple(image_hash(im) for im in pil)
+        pil, hashes = self._load_images(images)
         enc = self._process(text, pil, hashes)
         return self._prompt(enc["input_ids"][0].tolist(), enc, hashes)
 
     def _with_processor(self, ids: list[int], images: list[Any]) -> PreparedPrompt:
         """Token ids holding either one placeholder per image or the processor's full expansion."""
-        pil = self._load_images(images)
-        hashes = tuple(image_hash(im) for im in pil)
+        pil, hashes = self._load_images(images)
         placeholder = getattr(self.processor, "image_token", None)
         placeholder_id = self._token_id(placeholder)
         if placeholder_id is None:
@@ -323,10 +325,7 @@ class InputPreparer:
             if n_placeholders:
                 raise InvalidRequestError("images", f"the prompt has {n_placeholders} image token(s) but no image")
             return PreparedPrompt(ids)
-        if self.processor is None:
-            raise InvalidRequestError("images", "this model has no image processor")
-        pil = [self._image(im, f"images[{i}]") for i, im in enumerate(images)]
-        hashes = tuple(image_hash(im) for im in pil)
+        pil, hashes = self._load_images(images)
 
         def run():
             try:

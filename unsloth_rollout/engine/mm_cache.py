@@ -8,8 +8,8 @@ vLLM keeps the same kind of cache (``mm_processor_cache_gb``).
 Encoded images (bytes, data URLs, long base64 strings: AReaL sends each sample's image as base64) are decoded
 once too, keyed by a hash of the encoded bytes; a file path never is (its file may change between requests).
 
-The key of a processor output is the images' content hashes (the ones the prefix cache keys prompts by) plus the text the processor
-expanded, so a hit returns exactly what the processor returned for the same input. Entries are shared, never
+The key of a processor output is the images' content hashes (the ones the prefix cache keys prompts by) plus
+the text the processor expanded, so a hit returns exactly what the processor returned for the same input. Entries are shared, never
 copied: nothing downstream writes into a processor output. Bounded by bytes (``EngineConfig.
 mm_processor_cache_bytes``; 0 turns it off), least recently used out first.
 """
