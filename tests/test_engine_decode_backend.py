@@ -163,11 +163,14 @@ def test_decode_step_copies_no_kv_history(qwen2_dir):
     assert len(pool_reads(core)) == 2 * core.kv.num_layers  # keys and values, every layer, every step
 
 
-def test_a_decode_step_builds_its_attention_mask_once_not_per_layer(qwen2_dir):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_decode_step_builds_its_attention_mask_once_not_per_layer(qwen2_dir, kernel):
     """SDPA on CPU turns a boolean mask into a float one (two ``where`` ops) in every call; the engine hands it the
-    float mask it made once for the step (``ForwardContext.additive_mask``), whose -inf / 0 are what SDPA makes."""
+    float mask it made once for the step (``ForwardContext.additive_mask``), whose -inf / 0 are what SDPA makes.
+    The CPU attention kernel reads each row's key range and needs no mask at all."""
     policy = load_model(qwen2_dir, backend="transformers")
-    core = _core(policy, "workspace")
+    core = _core(policy, "workspace", cpu_attention_kernel=kernel)
+    assert core.runner._kernel == kernel
     for i in range(3):
         ids = policy.tokenizer.encode("alice counts twelve apples " * (2 + 3 * i))  # rows of three lengths
         core.add(Sequence(f"r{i}", 0, PreparedPrompt(ids), SamplingParams(max_new_tokens=20, temperature=0,
@@ -178,7 +181,7 @@ def test_a_decode_step_builds_its_attention_mask_once_not_per_layer(qwen2_dir):
         core.step()
     per_row = [e.name for e in prof.events() if e.name in ("aten::where", "aten::masked_fill_")
                and any(len(sh) == 4 and sh[:3] == [3, 1, 1] for sh in e.input_shapes if isinstance(sh, list))]
-    assert core.kv.num_layers >= 2 and per_row == ["aten::masked_fill_"]
+    assert core.kv.num_layers >= 2 and per_row == ([] if kernel else ["aten::masked_fill_"])
 
 
 def test_offload_releases_the_workspace(qwen2_dir):

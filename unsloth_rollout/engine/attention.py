@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_attention
 from ..errors import CacheBypassError, ModelNotServableError, UnsupportedAttentionError  # noqa: F401  (re-exported)
 
 ATTN_NAME = "unsloth_rollout_attention"
@@ -63,6 +64,10 @@ class ForwardContext:
     # decode over rows that hold only their own positions: the shared prefixes they attend to as well
     # (prefix_batch.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
     prefix: object | None = None
+    # decode: each row's query position, which is also its count of cached keys (keys 0..lengths[i] are real);
+    # with ``kernel`` the attention reads exactly those keys through engine/cpu_attention.py instead of a mask
+    lengths: torch.Tensor | None = None
+    kernel: bool = False
     # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
     seen: set = field(default_factory=set)
     writes: dict = field(default_factory=dict)
@@ -80,7 +85,15 @@ class ForwardContext:
     def decode(cls, lengths: torch.Tensor, key_len: int, check: bool = True) -> "ForwardContext":
         """One query per row at position ``lengths[i]``; keys 0..key_len-1, real up to ``lengths[i]``."""
         k_pos = torch.arange(key_len, device=lengths.device).unsqueeze(0)
-        return cls("decode", lengths.view(-1, 1), k_pos, k_pos <= lengths.view(-1, 1), check=check)
+        return cls("decode", lengths.view(-1, 1), k_pos, k_pos <= lengths.view(-1, 1), check=check, lengths=lengths)
+
+    def key_range(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: each row's attended keys ``lo .. hi - 1`` under this sliding window (``mask(window)``'s True
+        span), built once per forward."""
+        r = self._masks.get(("range", window))
+        if r is None:
+            r = self._masks[("range", window)] = cpu_attention.key_range(self.lengths, window)
+        return r
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, Q, K] boolean mask (True: attend) for a layer with this sliding window."""
@@ -219,14 +232,20 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
         return _eager_for(module)(module, query, key, value, add, dropout=0.0, scaling=scaling, **kwargs)[0]
     # SDPA, as transformers' sdpa path computes it (which ignores softcap), reading K/V with native GQA.
     fast = ctx.causal_fast_path and window is None
-    mask = None if fast else ctx.additive_mask(window, query.dtype)
     b, h, q, d = query.shape
     kvh = key.shape[1]
+    kernel = (ctx.kernel and ctx.lengths is not None and ctx.block is None
+              and cpu_attention.supported(query, key, value))
+    mask = None if fast or kernel else ctx.additive_mask(window, query.dtype)
     if ctx.prefix is not None:
         if q != 1 or window is not None or kwargs.get("softcap") is not None:
             raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prefix decode step reached a layer "
                                             "with a sliding window or soft-capping")
-        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx)
+        own = cpu_attention.decode_attention(query, key, value, *ctx.key_range(None), scaling) if kernel else None
+        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx, own)
+    if kernel:  # one query per row over exactly its real keys, read in place (no mask)
+        out, _ = cpu_attention.decode_attention(query, key, value, *ctx.key_range(window), scaling)
+        return out.view(b, 1, h, d)
     if q == 1 and kvh != h and mask is not None:
         # One query per row (decode): the G = H / KV query heads that share a KV head become G query rows of
         # that head, so each row's history is read once per KV head, in place. With a mask, SDPA's own GQA
@@ -249,19 +268,20 @@ def _flash(q, k, v, mask, scale):
                                                                       scale=scale)
 
 
-def shared_prefix_decode(query, key, value, mask, scaling, pb, layer_idx):
+def shared_prefix_decode(query, key, value, mask, scaling, pb, layer_idx, own=None):
     """A decode step's attention when rows hold only their own positions and several rows share a prefix.
 
     Each row attends to its own positions (``key`` / ``value``: the rows' ``[B, KV, L, D]``, ``mask``) and, when
     it has one, to its prefix entry's positions: all the rows of an entry go in as query rows of one attention
     over the entry's keys, so a GRPO group's prompt is read once per step instead of once per sample. The two
     softmaxes are merged exactly by their log-sum-exps (``o = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2)``, as flash
-    attention merges key blocks). Grouped-query heads as in the plain decode: query head i reads KV head i // G."""
+    attention merges key blocks). Grouped-query heads as in the plain decode: query head i reads KV head i // G.
+    ``own``: the rows' own attention and its log-sum-exp when already computed (the CPU kernel's)."""
     b, h, _, d = query.shape
     kvh = key.shape[1]
     g = h // kvh
     qg = query.reshape(b, kvh, g, d)
-    o1, l1 = _flash(qg, key, value, mask, scaling)  # [B, KV, G, D], [B, KV, G]
+    o1, l1 = own if own is not None else _flash(qg, key, value, mask, scaling)  # [B, KV, G, D], [B, KV, G]
     pk, pv = pb.pk[layer_idx], pb.pv[layer_idx]
     qp = qg[pb.q_index]  # [n, m, KV, G, D]: each entry's rows
     qp = qp.permute(0, 2, 1, 3, 4).reshape(pb.n, kvh, pb.m * g, d)

@@ -205,6 +205,12 @@ class EngineConfig:
             them once for all of those rows, merging the two attentions exactly by their log-sum-exps
             (``attention.shared_prefix_decode``). Served on CPU for models whose every layer attends with SDPA
             arithmetic over its whole history; elsewhere (and when False) every row holds its whole history.
+        cpu_attention_kernel: on a CPU device, decode attention (one new token per row over its history) runs on
+            the engine's own kernel (engine/cpu_attention.py: each row's keys and values read once, in place, no
+            mask; SDPA's arithmetic within float32 rounding), built once per machine with the system C++ compiler
+            and cached. Where it cannot be built, or for shapes outside it (not float32, unusual head sizes), SDPA
+            runs as before; ``stats()["cpu_attention_kernel"]`` says which. ``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` turns
+            it off process-wide.
         cpu_retain_freed_memory: on a CPU device, the first engine sets glibc's malloc to keep freed memory for
             reuse instead of handing it back to the kernel (``engine/malloc.py``; process-wide): activations
             stop faulting their pages in again at every prefill layer. Resident memory then stays near its peak.
@@ -235,6 +241,7 @@ class EngineConfig:
     decode_backend: str = "workspace"
     decode_workspace_bytes: int | None = None
     shared_prefix_decode: bool = True
+    cpu_attention_kernel: bool = True
     cpu_retain_freed_memory: bool = True
     max_lora_rank: int = 256
     max_loras: int | None = None
@@ -260,6 +267,8 @@ class EngineConfig:
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(isinstance(self.shared_prefix_decode, bool), "shared_prefix_decode",
                f"must be True or False, got {self.shared_prefix_decode!r}")
+        _check(isinstance(self.cpu_attention_kernel, bool), "cpu_attention_kernel",
+               f"must be True or False, got {self.cpu_attention_kernel!r}")
         _check(isinstance(self.cpu_retain_freed_memory, bool), "cpu_retain_freed_memory",
                f"must be True or False, got {self.cpu_retain_freed_memory!r}")
         _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",

@@ -155,8 +155,9 @@ class StaticDecode:
         r = self.runner
         key_len = k_pos.shape[0]
         kp = k_pos.view(1, -1)
-        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=check)
-        ctx.inner = r._inner
+        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=check,
+                             lengths=lengths)
+        ctx.inner, ctx.kernel = r._inner, r._kernel
         view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx)
         out = r.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=True,
                              logits_to_keep=1, **{r._cache_arg: view, CTX_KWARG: ctx})
@@ -168,9 +169,13 @@ class StaticDecode:
         """The model's own forward, eager outside its decoder layers; each layer runs the compiled region."""
         r = self.runner
         kp = k_pos.view(1, -1)
-        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False)
-        ctx.inner = r._inner
+        ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False,
+                             lengths=lengths)
+        ctx.inner, ctx.kernel = r._inner, r._kernel
         for w in self._windows:  # built once per step, outside the region: every layer reads the same masks
+            if ctx.kernel:  # the CPU kernel reads each row's key range (the masks serve shapes it does not take)
+                for t in ctx.key_range(w):
+                    torch._dynamo.mark_dynamic(t, 0)
             for m in (ctx.mask(w), ctx.additive_mask(w, r.policy.dtype)):
                 torch._dynamo.mark_dynamic(m, 0)
                 torch._dynamo.mark_dynamic(m, 3)

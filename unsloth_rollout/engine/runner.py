@@ -17,6 +17,7 @@ import torch
 
 from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
 from ..models.families import check_supported, text_dims
+from . import cpu_attention
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .decode_backend import DECODE_BACKENDS, DecodeWorkspace
 from .kv_cache import CacheView, KVCache
@@ -27,7 +28,7 @@ class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
                  vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None,
-                 shared_prefix_decode: bool = True):
+                 shared_prefix_decode: bool = True, cpu_attention_kernel: bool = True):
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -49,6 +50,9 @@ class ModelRunner:
         # whose arithmetic follows the implementation the model was configured with (as in training).
         self._text_config = policy.text_config
         self._inner = inner_implementation(getattr(self._text_config, "_attn_implementation", None))
+        # decode attention on CPU through engine/cpu_attention.py's kernel (SDPA arithmetic; built at first use)
+        self._kernel = (cpu_attention_kernel and self.device.type == "cpu" and self._inner in ("sdpa", "fused")
+                        and cpu_attention.enabled_by_env() and cpu_attention.available())
         self.num_layers = text_dims(self._text_config)[0]
         # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated there).
         params = inspect.signature(policy.base_model.forward).parameters
@@ -75,7 +79,7 @@ class ModelRunner:
         """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row.
         ``adapters``: one adapter name per row ("__base__": none), selected by ``adapter_scope`` and put back after
         the forward, also when it raises; None: the model's active adapter."""
-        ctx.inner = self._inner
+        ctx.inner, ctx.kernel = self._inner, self._kernel
         cfg = self._text_config
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now

@@ -84,3 +84,20 @@ def hf_logprobs(model, ids: list[int], n_out: int) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits[len(ids) - n_out - 1:-1], dim=-1)
+
+
+def assert_greedy_matches(policy, prompt_ids, got: list[int], ref: list[int], tie: float = 1e-5, label="") -> None:
+    """``got`` (the engine's greedy tokens) equals ``ref`` (HF ``generate``'s), except that where they first differ
+    both tokens must be the argmax within ``tie`` of a teacher-forced forward (a float32 near-tie: two kernels'
+    rounding may break it either way); past that point the two continuations are different prompts."""
+    if got == ref:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    assert i is not None, f"{label}: outputs of different lengths {len(got)} vs {len(ref)}"
+    _, logits = teacher_forced(policy, prompt_ids, got[: i + 1])
+    row = logits[i]
+    top = float(row.max())
+    gap_got, gap_ref = top - float(row[got[i]]), top - float(row[ref[i]])
+    assert gap_got <= tie and gap_ref <= tie, (
+        f"{label}: greedy token {i} is {got[i]} (engine) vs {ref[i]} (HF): their logits are {gap_got:.3g} and "
+        f"{gap_ref:.3g} below the max, not a near-tie (<= {tie})")

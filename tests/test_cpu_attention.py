@@ -1,0 +1,191 @@
+"""The CPU decode attention kernel (engine/cpu_attention.py) against independent oracles: a float64 softmax
+attention written here, SDPA with the engine's mask, the engine's own SDPA path (same tokens, logprobs within
+float32 noise of a teacher-forced forward), and torch.compile (the custom op inside the captured step)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from unsloth_rollout.engine import cpu_attention
+from unsloth_rollout.engine.config import EngineConfig
+
+LINUX_GXX = sys.platform.startswith("linux") and shutil.which("g++") is not None
+
+
+def _reference(q, k, v, lo, hi, scale):
+    """float64 softmax(scale * q . k) v over keys lo[b] .. hi[b] - 1 of each row, GQA as repeat_kv maps heads."""
+    b, h, _, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    out = torch.zeros(b, kvh, g, d, dtype=torch.float64)
+    lse = torch.full((b, kvh, g), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        a, e = int(lo[i]), int(hi[i])
+        qi = q[i, :, 0].double().view(kvh, g, d)
+        s = torch.einsum("hgd,hld->hgl", qi, k[i, :, a:e].double()) * scale
+        lse[i] = torch.logsumexp(s, -1)
+        out[i] = torch.einsum("hgl,hld->hgd", torch.softmax(s, -1), v[i, :, a:e].double())
+    return out, lse
+
+
+def _case(b, kvh, g, d, cap, lengths, seed=0, strided=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, kvh * g, 1, d, generator=gen)
+    if strided:  # the workspace's layout: rows x heads x capacity x dim, viewed up to the step's key length
+        k = torch.randn(b + 3, kvh, cap + 5, d, generator=gen)[1:b + 1, :, :cap]
+        v = torch.randn(b + 3, kvh, cap + 5, d, generator=gen)[1:b + 1, :, :cap]
+    else:
+        k = torch.randn(b, kvh, cap, d, generator=gen) * 2
+        v = torch.randn(b, kvh, cap, d, generator=gen)
+    return q, k, v, torch.tensor(lengths)
+
+
+def test_the_kernel_builds_here():
+    """Where CI runs (Linux, g++, torch's libgomp) the kernel must build: otherwise every test below would be
+    testing SDPA and the engine would silently run without it. It runs on torch's OpenMP runtime: loading it
+    adds no runtime to the process (a second one would be a second thread team fighting torch's for the cores)."""
+    if not LINUX_GXX:
+        pytest.skip("the kernel is built with g++ on Linux")
+    code = ("import torch\n"
+            "try:\n"
+            "    import sentencepiece  # its wheel carries a GNU OpenMP of its own, under another name\n"
+            "except ImportError:\n"
+            "    pass\n"
+            "def gomp():\n"
+            "    return {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l.rsplit('/', 1)[-1]}\n"
+            "before = gomp()\n"
+            "from unsloth_rollout.engine import cpu_attention as c\n"
+            "assert c.available(), c.build_error()\n"
+            "assert gomp() == before, (before, gomp())\n"
+            "assert c._openmp_runtime().startswith(torch.__file__.rsplit('/', 2)[0]), c._openmp_runtime()\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert cpu_attention.available(), cpu_attention.build_error()
+
+
+needs_kernel = pytest.mark.skipif(not (LINUX_GXX and cpu_attention.available()), reason="kernel not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 7, 8])
+def test_kernel_matches_a_float64_attention(d, g):
+    # mixed lengths: one key only, a partial block, whole blocks, one past a block, the capacity
+    lengths = [0, 5, 15, 16, 33, 70]
+    q, k, v, lens = _case(len(lengths), 2, g, d, 71, lengths, seed=d * 10 + g, strided=(g % 2 == 0))
+    lo, hi = cpu_attention.key_range(lens, None)
+    out, lse = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    ref, ref_lse = _reference(q, k, v, lo, hi, d ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 1, 7, 16, 40])
+def test_kernel_equals_sdpa_with_the_engines_mask(window):
+    """What the engine's attention computed before: SDPA over the whole key view with the decode mask (keys
+    0..length, within the sliding window)."""
+    from unsloth_rollout.engine.attention import ForwardContext
+
+    lengths = [3, 0, 47, 16, 31, 63, 64, 9]
+    q, k, v, lens = _case(len(lengths), 2, 2, 16, 65, lengths, seed=window or 0, strided=True)
+    ctx = ForwardContext.decode(lens, 65)
+    mask = ctx.additive_mask(window, torch.float32)
+    b, h, _, d = q.shape
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, 2, 2, d), k, v, attn_mask=mask, scale=0.3)
+    out, _ = cpu_attention.decode_attention(q, k, v, *ctx.key_range(window), 0.3)
+    torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_runs_as_one_op_inside_torch_compile_without_recompiling():
+    """The captured decode step calls it as the custom op ``unsloth_rollout::decode_attention``: same output as
+    eager, the keys read through the strided view (no copy), and one graph for every batch and key length."""
+    from torch._dynamo.utils import counters
+
+    def step(q, k, v, lens):
+        lo, hi = cpu_attention.key_range(lens, None)
+        return cpu_attention.decode_attention(q, k, v, lo, hi, 0.25)[0] * 2
+
+    fn = torch.compile(step, dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for b, cap, seed in ((5, 40, 1), (7, 90, 2), (3, 129, 3)):  # b never equals the 4 heads (duck sizing)
+        lengths = torch.randint(0, cap, (b,), generator=torch.Generator().manual_seed(seed)).tolist()
+        q, k, v, lens = _case(b, 2, 2, 16, cap, lengths, seed=seed, strided=True)
+        got = fn(q, k, v, lens)
+        torch.testing.assert_close(got, step(q, k, v, lens), atol=0, rtol=0)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_shapes_outside_the_kernel_are_left_to_sdpa():
+    q = torch.randn(2, 4, 1, 16)
+    k = v = torch.randn(2, 2, 8, 16)
+    assert cpu_attention.supported(q, k, v)
+    assert not cpu_attention.supported(q.bfloat16(), k.bfloat16(), v.bfloat16())  # float32 only
+    assert not cpu_attention.supported(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8))
+    assert not cpu_attention.supported(torch.randn(2, 18, 1, 16), k, v)  # 9 query heads per KV head
+    assert not cpu_attention.supported(torch.randn(2, 4, 2, 16), k, v)  # two query positions: not decode
+    assert not cpu_attention.supported(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # strided dim
+
+
+def test_the_setting_is_validated_by_name():
+    with pytest.raises(ValueError, match="cpu_attention_kernel"):
+        EngineConfig(cpu_attention_kernel="yes")
+
+
+@needs_kernel
+def test_engine_tokens_and_logprobs_with_and_without_the_kernel(qwen2_dir):
+    """The same requests through the engine with the kernel and with SDPA: the same greedy tokens, logprobs within
+    float32 noise of each other and of a teacher-forced forward (the independent oracle), mixed lengths, GQA."""
+    from unsloth_rollout import GenerationRequest, RolloutEngine, SamplingParams, load_model
+    from unsloth_rollout.testing.oracles import teacher_forced
+
+    policy = load_model(qwen2_dir, backend="transformers")
+    prompts = [policy.tokenizer.encode("alice counts twelve apples " * r) for r in (1, 4, 9)]
+    runs = {}
+    for kernel in (False, True):
+        engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, cpu_attention_kernel=kernel))
+        try:
+            assert engine.stats()["cpu_attention_kernel"] is kernel
+            runs[kernel] = engine.generate([GenerationRequest(input_ids=p, sampling=SamplingParams(
+                max_new_tokens=24, temperature=0, ignore_eos=True)) for p in prompts])
+        finally:
+            engine.shutdown()
+    for a, b, p in zip(runs[False], runs[True], prompts):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=2e-5,
+                                   rtol=0)
+        ref, _ = teacher_forced(policy, p, b.output_ids)
+        torch.testing.assert_close(torch.tensor(b.output_logprobs), ref, atol=3e-5, rtol=0)
+
+
+def test_the_environment_switch_turns_it_off(qwen2_dir):
+    code = ("from unsloth_rollout import load_model; from unsloth_rollout.engine.core import EngineCore; "
+            "from unsloth_rollout.engine.config import EngineConfig; import sys; "
+            f"p = load_model({str(qwen2_dir)!r}, backend='transformers'); "
+            "c = EngineCore(p, EngineConfig(kv_cache_memory_bytes=8 << 20)); print(c.runner._kernel)")
+    env = dict(os.environ, UNSLOTH_ROLLOUT_CPU_KERNEL="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "aarch64"), reason="built for x86-64 / arm64")
+def test_a_failed_build_leaves_sdpa_and_says_why(tmp_path):
+    """No compiler: the kernel is unavailable, build_error() names the cause, nothing raises."""
+    code = ("import torch; from unsloth_rollout.engine import cpu_attention as c; "
+            "print(c.available()); print(c.build_error())")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), UNSLOTH_ROLLOUT_KERNEL_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2] == "False" and "no-such-compiler" in lines[-1]
