@@ -3,12 +3,13 @@
 A decode step's attention is one query position per row against that row's whole history. On CPU, SDPA's flash
 kernel spends ~1.8x a plain read of that history on it (36 layers x 64 rows, head dim 16: 420 us a layer against
 235 us for ``torch.sum`` over the same keys and values), and on deep small-hidden models attention is the largest
-part of a step. ``csrc/decode_attention.cpp`` is the same arithmetic written for this shape: the G query heads
+part of a step. ``kernels/csrc/decode_attention.cpp`` is the same arithmetic written for this shape: the G query heads
 that share a KV head are computed together, so each key and value row is loaded once; scores for 16 keys at a
 time, an online softmax in blocks of 16 keys (flash attention's rescaling), rows split across torch's threads.
 It reads only each row's real keys (``lo`` .. ``hi``), so no mask is built or read.
 
-It is built once per machine with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, about 10 s),
+It is built once per machine with the system C++ compiler (``kernels/build.py``: ``g++ -O3 -march=native -fopenmp``,
+about 10 s),
 cached under ``~/.cache/unsloth_rollout/kernels`` (``UNSLOTH_ROLLOUT_KERNEL_DIR``) by a hash of the source, the
 compiler and the CPU, and linked to the OpenMP runtime torch loaded (one thread team, torch's thread count).
 Where it cannot be built (no compiler, no GNU OpenMP in the process) or a shape is outside it (not float32, head
@@ -24,22 +25,16 @@ or ``EngineConfig(cpu_attention_kernel=False)`` keeps SDPA.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from ..kernels.build import build_library, openmp_runtime
+
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
 _MAX_GROUP = 8
 
@@ -54,58 +49,11 @@ def enabled_by_env() -> bool:
 
 
 def _openmp_runtime() -> str | None:
-    """The GNU OpenMP runtime torch loaded, to link against: the kernel's threads are torch's team, not a second
-    one (other wheels, e.g. sentencepiece, load GNU OpenMP copies of their own under other names)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
-    except OSError:
-        return None
-    root = os.path.dirname(os.path.dirname(torch.__file__))  # site-packages: torch/lib or torch.libs
-    mine = sorted(p for p in paths if p.startswith(os.path.join(root, "torch")))
-    return mine[0] if mine else None
+    return openmp_runtime()
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    d = os.environ.get("UNSLOTH_ROLLOUT_KERNEL_DIR")
-    return Path(d) if d else Path.home() / ".cache" / "unsloth_rollout" / "kernels"
-
-
-def _build() -> ctypes.CDLL:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
-    gomp = _openmp_runtime()
-    if gomp is None:
-        raise RuntimeError("torch did not load GNU OpenMP (libgomp) in this process")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode(),
-                                     platform.machine().encode(), gomp.encode()])).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            cmd = [cxx, *_FLAGS, str(_SOURCE), "-o", tmp, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library("decode_attention")))
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 10 + [ctypes.c_float, ctypes.c_int]
     lib.decode_attention_f32.restype = ctypes.c_int
@@ -121,7 +69,7 @@ def _library():
     with _lock:
         if not _tried:
             try:
-                _lib = _build()
+                _lib = _load()
             except Exception as e:  # no compiler, a failed build, no OpenMP: SDPA, as before
                 _error = f"{type(e).__name__}: {e}"
                 log.warning("CPU decode attention kernel unavailable (%s); decode attention uses SDPA", _error)

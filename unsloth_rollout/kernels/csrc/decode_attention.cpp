@@ -2,7 +2,7 @@
 // read in place (any row / head / position strides, the head dimension contiguous), softmax over the keys
 // lo[b] .. hi[b] - 1 of row b (its history, or the last `window` of it), online in blocks of 16 keys as flash
 // attention does. Returns the output and each query's natural log-sum-exp (for merging attentions exactly).
-// Built at first use by unsloth_rollout/engine/cpu_attention.py (g++ -O3 -march=native -fopenmp) and run on
+// Built at first use by unsloth_rollout/kernels/build.py (g++ -O3 -march=native -fopenmp) and run on
 // the OpenMP runtime torch loaded, with torch's thread count; float32 only.
 #include <stdint.h>
 #include <math.h>

@@ -1,0 +1,1 @@
+"""C++ CPU kernels of the engine and their build (``build.py``)."""

@@ -1,0 +1,81 @@
+"""Build the engine's C++ CPU kernels (``csrc/``) once per machine, outside the request path.
+
+``build_library(name)`` compiles ``csrc/<name>.cpp`` with the system C++ compiler (``$CXX``, else ``g++`` or
+``c++``) as ``-O3 -march=native -fopenmp``, linked to the GNU OpenMP runtime torch loaded (so the kernel's
+threads are torch's thread team, not a second one), into ``~/.cache/unsloth_rollout/kernels``
+(``UNSLOTH_ROLLOUT_KERNEL_DIR``), named by a hash of the source, the flags, the compiler's version, the CPU and
+the runtime: a changed source, compiler or machine builds anew, and concurrent builders each write a file of
+their own and rename it into place. The compiler runs with fixed arguments; no request data reaches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).with_name("csrc")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def openmp_runtime() -> str | None:
+    """The GNU OpenMP runtime torch loaded, to link against: the kernel's threads are torch's team, not a second
+    one (other wheels, e.g. sentencepiece, load GNU OpenMP copies of their own under other names)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return None
+    root = os.path.dirname(os.path.dirname(torch.__file__))  # site-packages: torch/lib or torch.libs
+    mine = sorted(p for p in paths if p.startswith(os.path.join(root, "torch")))
+    return mine[0] if mine else None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("UNSLOTH_ROLLOUT_KERNEL_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "unsloth_rollout" / "kernels"
+
+
+def build_library(name: str) -> Path:
+    """The path of ``csrc/<name>.cpp`` built as a shared library (built now if this machine has none yet)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
+    gomp = openmp_runtime()
+    if gomp is None:
+        raise RuntimeError("torch did not load GNU OpenMP (libgomp) in this process")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = _CSRC / f"{name}.cpp"
+    src = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode(),
+                                     platform.machine().encode(), gomp.encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"{name}-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            cmd = [cxx, *_FLAGS, str(source), "-o", tmp, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
