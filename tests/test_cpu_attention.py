@@ -189,3 +189,22 @@ def test_a_failed_build_leaves_sdpa_and_says_why(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[-2] == "False" and "no-such-compiler" in lines[-1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,g,d,keys", [(32, 4, 64, 2048), (64, 2, 16, 272)])
+def test_kernel_is_no_further_from_float64_than_sdpa(b, g, d, keys):
+    """On the long workload's and the 36-layer bench's shapes (full rows): the kernel's largest error against a
+    float64 attention is no larger than SDPA's (benchmarks/README.md quotes the first shape's)."""
+    from unsloth_rollout.engine.attention import ForwardContext
+
+    q, k, v, lens = _case(b, 2, g, d, keys, [keys - 1] * b, seed=1)
+    q, k = q * 3, k * 1.5  # sharper softmaxes than unit-variance noise gives
+    lo, hi = cpu_attention.key_range(lens, None)
+    ref, _ = _reference(q, k, v, lo, hi, d ** -0.5)
+    out, _ = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    mask = ForwardContext.decode(lens, keys).additive_mask(None, torch.float32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, 2, g, d), k, v, attn_mask=mask)
+    err_kernel, err_sdpa = (out.double() - ref).abs().max().item(), (sdpa.double() - ref).abs().max().item()
+    print(f"max |error| vs float64: kernel {err_kernel:.2e}, sdpa {err_sdpa:.2e}")
+    assert err_kernel <= err_sdpa
