@@ -208,3 +208,15 @@ def test_kernel_is_no_further_from_float64_than_sdpa(b, g, d, keys):
     err_kernel, err_sdpa = (out.double() - ref).abs().max().item(), (sdpa.double() - ref).abs().max().item()
     print(f"max |error| vs float64: kernel {err_kernel:.2e}, sdpa {err_sdpa:.2e}")
     assert err_kernel <= err_sdpa
+
+
+@needs_kernel
+def test_a_key_range_outside_the_keys_is_refused_not_read():
+    """The kernel reads raw memory: a row whose range reaches past the keys it was given raises instead."""
+    q, k, v, lens = _case(3, 2, 2, 16, 10, [3, 9, 4])
+    lo, hi = cpu_attention.key_range(lens, None)
+    cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    with pytest.raises(RuntimeError, match="outside the keys"):
+        cpu_attention.decode_attention(q, k, v, lo, hi + 1, None)
+    with pytest.raises(RuntimeError, match="outside the keys"):
+        cpu_attention.decode_attention(q, k, v, lo - 1, hi, None)

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
 _MAX_GROUP = 8
 
+_CODES = {1: "unsupported head size or query heads per KV head", 3: "a row's key range is outside the keys"}
+
 _lock = threading.Lock()
 _lib = None
 _error: str | None = None
@@ -55,7 +57,7 @@ def _openmp_runtime() -> str | None:
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library("decode_attention")))
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 10 + [ctypes.c_float, ctypes.c_int]
+    lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 11 + [ctypes.c_float, ctypes.c_int]
     lib.decode_attention_f32.restype = ctypes.c_int
     lib.decode_attention_supported.argtypes = [i, i]
     lib.decode_attention_supported.restype = ctypes.c_int
@@ -106,10 +108,10 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi
     out = torch.empty_like(q)
     lse = torch.empty((b, kvh, g), dtype=torch.float32)
     rc = _lib.decode_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                                   lo.data_ptr(), hi.data_ptr(), b, kvh, g, d, *k.stride()[:3], *v.stride()[:3],
-                                   float(scale), torch.get_num_threads())
+                                   lo.data_ptr(), hi.data_ptr(), b, kvh, g, d, min(k.shape[2], v.shape[2]),
+                                   *k.stride()[:3], *v.stride()[:3], float(scale), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"decode attention kernel: unsupported shape {tuple(q.shape)} (code {rc})")
+        raise RuntimeError(f"decode attention kernel: {_CODES.get(rc, rc)} (q {tuple(q.shape)}, k {tuple(k.shape)})")
     return out, lse
 
 

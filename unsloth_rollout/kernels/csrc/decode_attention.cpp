@@ -184,10 +184,12 @@ extern "C" int decode_attention_supported(int64_t D, int64_t G) { return pick(D,
 
 extern "C" int decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse,
                                     const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
-                                    int64_t D, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb, int64_t vsh,
-                                    int64_t vsl, float scale, int nthreads) {
+                                    int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
+                                    int64_t vsh, int64_t vsl, float scale, int nthreads) {
     task_fn fn = pick(D, G);
     if (!fn) return 1;
+    for (int64_t b = 0; b < B; b++)  // never read outside the L keys of each row
+        if (lo[b] < 0 || hi[b] > L || lo[b] > hi[b]) return 3;
     int64_t tasks = B * KV;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; t++) {
