@@ -64,7 +64,8 @@ def test_the_kernel_builds_here():
             "from unsloth_rollout.engine import cpu_attention as c\n"
             "assert c.available(), c.build_error()\n"
             "assert gomp() == before, (before, gomp())\n"
-            "assert c._openmp_runtime().startswith(torch.__file__.rsplit('/', 2)[0]), c._openmp_runtime()\n"
+            "from unsloth_rollout.kernels.build import openmp_runtime\n"
+            "assert openmp_runtime().startswith(torch.__file__.rsplit('/', 2)[0]), openmp_runtime()\n"
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

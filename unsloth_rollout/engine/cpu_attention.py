@@ -1,25 +1,25 @@
 """A decode attention kernel for CPU: each row's history read once, in place, near the machine's memory bandwidth.
 
 A decode step's attention is one query position per row against that row's whole history. On CPU, SDPA's flash
-kernel spends ~1.8x a plain read of that history on it (36 layers x 64 rows, head dim 16: 420 us a layer against
-235 us for ``torch.sum`` over the same keys and values), and on deep small-hidden models attention is the largest
-part of a step. ``kernels/csrc/decode_attention.cpp`` is the same arithmetic written for this shape: the G query heads
-that share a KV head are computed together, so each key and value row is loaded once; scores for 16 keys at a
-time, an online softmax in blocks of 16 keys (flash attention's rescaling), rows split across torch's threads.
-It reads only each row's real keys (``lo`` .. ``hi``), so no mask is built or read.
+kernel spends ~1.6x a plain read of that history on it (36 layers x 64 rows, head dim 16: 315 us a layer against 194
+us for ``torch.sum`` over the same keys and values; this kernel 247 us: ``benchmarks/cpu_attention_kernel.py``), and
+on deep small-hidden models attention is the largest part of a step. ``kernels/csrc/decode_attention.cpp`` is the
+same arithmetic written for this shape: the G query heads that share a KV head are computed together, so each key
+and value row is loaded once; scores for 16 keys at a time, an online softmax in blocks of 16 keys (flash
+attention's rescaling), rows split across torch's threads. It reads only each row's real keys (``lo`` .. ``hi``), so
+no mask is built or read.
 
 It is built once per machine with the system C++ compiler (``kernels/build.py``: ``g++ -O3 -march=native -fopenmp``,
-about 10 s),
-cached under ``~/.cache/unsloth_rollout/kernels`` (``UNSLOTH_ROLLOUT_KERNEL_DIR``) by a hash of the source, the
-compiler and the CPU, and linked to the OpenMP runtime torch loaded (one thread team, torch's thread count).
-Where it cannot be built (no compiler, no GNU OpenMP in the process) or a shape is outside it (not float32, head
-dimension not one of 16 32 48 64 80 96 128 256, more than 8 query heads per KV head), attention is SDPA's, as
+about 10 s), cached under ``~/.cache/unsloth_rollout/kernels`` (``UNSLOTH_ROLLOUT_KERNEL_DIR``) by a hash of the
+source, the compiler and the CPU, and linked to the OpenMP runtime torch loaded (one thread team, torch's thread
+count). Where it cannot be built (no compiler, no GNU OpenMP in the process) or a shape is outside it (not float32,
+head dimension not one of 16 32 48 64 80 96 128 256, more than 8 query heads per KV head), attention is SDPA's, as
 before: ``available()`` and ``supported()`` say which, ``build_error()`` why not.
 
-Arithmetic: the softmax of ``scale * q . k`` over the row's keys, ``exp`` by Cephes' single-precision polynomial
-(~1 ulp), sums in a different order than SDPA's: outputs agree with SDPA's within a few float32 ulps
-(tests/test_cpu_attention.py checks them against SDPA and a float64 reference). ``UNSLOTH_ROLLOUT_CPU_KERNEL=0``
-or ``EngineConfig(cpu_attention_kernel=False)`` keeps SDPA.
+Arithmetic: the softmax of ``scale * q . k`` over the row's keys, ``exp`` by Cephes' single-precision polynomial (~1
+ulp), sums in a different order than SDPA's: outputs agree with SDPA's within a few float32 ulps
+(tests/test_cpu_attention.py checks them against SDPA and a float64 reference). ``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` or
+``EngineConfig(cpu_attention_kernel=False)`` keeps SDPA.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from ..kernels.build import build_library, openmp_runtime
+from ..kernels.build import build_library
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,11 @@ def enabled_by_env() -> bool:
     return os.environ.get("UNSLOTH_ROLLOUT_CPU_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _openmp_runtime() -> str | None:
-    return openmp_runtime()
-
-
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library("decode_attention")))
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 11 + [ctypes.c_float, ctypes.c_int]
     lib.decode_attention_f32.restype = ctypes.c_int
-    lib.decode_attention_supported.argtypes = [i, i]
-    lib.decode_attention_supported.restype = ctypes.c_int
     return lib
 
 

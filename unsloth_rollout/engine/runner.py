@@ -52,7 +52,7 @@ class ModelRunner:
         self._inner = inner_implementation(getattr(self._text_config, "_attn_implementation", None))
         # decode attention on CPU through engine/cpu_attention.py's kernel (SDPA arithmetic; built at first use)
         self._kernel = (cpu_attention_kernel and self.device.type == "cpu" and self._inner in ("sdpa", "fused")
-                        and cpu_attention.enabled_by_env() and cpu_attention.available())
+                        and cpu_attention.available())
         self.num_layers = text_dims(self._text_config)[0]
         # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated there).
         params = inspect.signature(policy.base_model.forward).parameters

@@ -180,8 +180,6 @@ static task_fn pick(int64_t D, int64_t G) {
     }
 }
 
-extern "C" int decode_attention_supported(int64_t D, int64_t G) { return pick(D, G) != 0; }
-
 extern "C" int decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse,
                                     const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
                                     int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
