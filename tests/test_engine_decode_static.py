@@ -70,11 +70,13 @@ def test_static_decode_is_warm_at_start_and_never_recompiles(served):
 
 
 def test_static_decode_compiles_one_graph_for_every_layer(served):
-    """The decoder layers share one compiled graph: warm-up does not compile once per layer."""
+    """The decoder layers share one compiled graph: warm-up does not compile once per layer (one guarded graph
+    and its trusted copy, whatever the depth)."""
     policy, engine = served
     st = engine.core.runner.static
     assert st.region == "layer" and len(st._layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
-    assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= 1
+    assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= 2
+    assert st.trusted and st._layer_graphs is not None and len(set(st._layer_graphs)) == 1
 
 
 def test_static_decode_logprobs_match_teacher_forced(served):
@@ -97,11 +99,15 @@ def test_static_decode_follows_in_place_lora_updates(served):
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
+    st = engine.core.runner.static
+    guarded, trusted = st.guarded_steps, st.trusted_steps
     engine.weights_changed(1)
     after = engine.generate([_req(ids, 12)])[0].output_ids
     assert after == _greedy(policy, ids, 12)
     assert after != before, "the update was meant to change the greedy tokens"
     assert _graphs() == graphs
+    # the first step after the change is guarded (dynamo re-checks the model), the rest trusted again
+    assert st.guarded_steps == guarded + 1 and st.trusted_steps >= trusted + 9
 
 
 def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
@@ -152,3 +158,46 @@ def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
         assert o.prompt_ids == inputs["input_ids"][0].tolist()
         assert o.output_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
     assert _graphs() == graphs
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3_text"])
+def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
+    """Families whose layers differ (sliding vs full attention, Gemma 2's soft-capping, Gemma 3's per-kind rotary):
+    the guarded step says which graph served each layer, layers of different kinds never share a trusted copy,
+    and the trusted steps' tokens and logprobs match HF generate and a teacher-forced forward (prompts past the
+    8-token windows)."""
+    from unsloth_rollout.testing.families import family_model_path
+    from unsloth_rollout.testing.oracles import assert_greedy_matches
+
+    # Gemma 2's soft-capping exists only in its eager attention (transformers' sdpa drops it).
+    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8, "random_state": 0},
+                        attn_implementation="eager" if family == "gemma2" else "sdpa")
+    assert perturb_lora(policy.model, std=0.3, seed=0) > 0
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8,
+                                                decode_backend="static"), seed=0)
+    try:
+        st = engine.core.runner.static
+        kinds = list(getattr(policy.text_config, "layer_types", None) or [])
+        tok = policy.tokenizer
+        texts = ["the cat", "alice counts twelve red apples in the old market before noon",
+                 "one two three four five six seven eight nine ten eleven twelve thirteen", "Bob and Carol"]
+        greedy = [_req(tok.encode(t), 14) for t in texts]
+        sampled = [_req(tok.encode(t), 14, temperature=1.0, seed=i) for i, t in enumerate(texts)]
+        trusted0 = st.trusted_steps
+        outs = engine.generate(greedy + sampled)
+        assert st.trusted_steps - trusted0 >= 10 and st.eager_steps == 0 and st.recompiles == 0
+        graphs = st._layer_graphs
+        assert graphs is not None and len(graphs) == len(st._layers)
+        if kinds:
+            assert len(set(kinds)) > 1, kinds
+            for i in range(len(graphs)):
+                for j in range(len(graphs)):
+                    assert graphs[i] != graphs[j] or kinds[i] == kinds[j], (family, kinds, graphs)
+        with torch.no_grad():
+            for r, o in zip(greedy, outs[:4]):
+                assert_greedy_matches(policy, r.input_ids, o.output_ids, _greedy(policy, r.input_ids, 14), label=family)
+            for r, o in zip(greedy + sampled, outs):
+                lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, r.sampling.temperature or 1.0)
+                assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5, family
+    finally:
+        engine.shutdown()

@@ -84,6 +84,8 @@ class EngineCore:
         self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
                                   config.prefill_chunk_tokens, self._vision_ids, config.decode_workspace_bytes,
                                   config.shared_prefix_decode, config.cpu_attention_kernel)
+        self.weights = WeightsClock()
+        self.runner.weights_clock = self.weights  # the captured step re-checks the model when it moves
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
@@ -91,7 +93,6 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
-        self.weights = WeightsClock()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
                       "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}

@@ -62,6 +62,7 @@ class ModelRunner:
         if self.workspace is not None and self.decode_backend == "workspace" and shared_prefix_decode:
             self.workspace.shared_prefix = self._shared_prefix_servable()
         self.static = None
+        self.weights_clock = None  # the engine core's WeightsClock (set by the core; read by the captured step)
         if self.decode_backend == "static":
             from .decode_static import StaticDecode
 
