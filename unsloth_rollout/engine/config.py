@@ -181,20 +181,25 @@ class EngineConfig:
             the oldest weight version among the positions it attended to (``output_kv_versions``).
         decode_compile: the compiled decode step: the same as ``decode_backend="static"`` (below), kept as a
             switch of its own for existing configs.
-        decode_backend: how decode attention reads the cached history (engine/decode_backend.py): "workspace"
-            (each running sequence owns a persistent row, filled once when it joins; no per-step copy of the
-            history; the default) or "gather" (every row's history gathered from the paged pool each step).
+        decode_backend: how decode steps run (engine/decode_backend.py). "auto" (the default): "static" on a CPU
+            device with a C++ compiler for torch.compile, "workspace" elsewhere (the captured step is not yet
+            measured on a GPU), and "workspace" when the static step cannot be compiled (the reason is in
+            ``stats()["decode_backend_fallback"]``); ``stats()["decode_backend"]`` says which runs.
+            "workspace": each running sequence owns a persistent row, filled once when it joins; no per-step copy
+            of the history; each step eager. "gather": every row's history gathered from the paged pool each step.
             Memory: the workspace holds the running rows' history a second
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``. Rows that
             share a prompt's KV blocks (the samples of one GRPO prompt) hold the shared positions once, and
-            attention reads them once per step for all of them (CPU, full-attention SDPA models;
-            ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``, ``["decode_prefix_steps"]``; a sample
-            that decoded alone before its group's others arrived is moved to the shared layout when they join:
-            ``["decode_prefix_rehomed"]``).
-            "static" (experimental, engine/decode_static.py): the workspace rows read by one compiled decode
-            step (dynamic batch and context: no recompiles as sequences grow), compiled at engine start
-            (``stats()["decode_warmup_s"]``: one decoder layer's compile, ~30 s on a loaded 2-core CPU whatever the
-            depth); ``compile_mode`` is its torch.compile mode.
+            attention reads them once per step for all of them (the eager workspace only: CPU, full-attention
+            SDPA models; ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``,
+            ``["decode_prefix_steps"]``; a sample that decoded alone before its group's others arrived is moved to
+            the shared layout when they join: ``["decode_prefix_rehomed"]``).
+            "static" (engine/decode_static.py): the workspace rows read by one compiled decode step (dynamic
+            batch and context: no recompiles as sequences grow), compiled at engine start
+            (``stats()["decode_warmup_s"]``: one decoder layer's compile per kind of layer, ~5-30 s on a 2-core
+            CPU whatever the depth, ~1-4 s when inductor's on-disk cache holds it); ``compile_mode`` is its
+            torch.compile mode. Steps it cannot serve (rows naming different adapters, a batch past the
+            workspace budget) run eager through the same rows (``stats()["decode_eager_steps"]``).
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
@@ -238,7 +243,7 @@ class EngineConfig:
     recompute_on_weight_change: bool = True
     decode_compile: bool = False
     compile_mode: str | None = None
-    decode_backend: str = "workspace"
+    decode_backend: str = "auto"
     decode_workspace_bytes: int | None = None
     shared_prefix_decode: bool = True
     cpu_attention_kernel: bool = True
@@ -271,8 +276,8 @@ class EngineConfig:
                f"must be True or False, got {self.cpu_attention_kernel!r}")
         _check(isinstance(self.cpu_retain_freed_memory, bool), "cpu_retain_freed_memory",
                f"must be True or False, got {self.cpu_retain_freed_memory!r}")
-        _check(self.decode_backend in ("gather", "workspace", "static"), "decode_backend",
-               f"must be 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
+        _check(self.decode_backend in ("auto", "gather", "workspace", "static"), "decode_backend",
+               f"must be 'auto', 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
         _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",
                f"must be an integer >= 1, got {self.max_lora_rank!r}")
         _check(_is_int(self.mm_processor_cache_bytes) and self.mm_processor_cache_bytes >= 0,

@@ -34,6 +34,8 @@ the cache-use guard in the engine's probe); only the kernels differ (inductor's 
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import time
 import types
 
@@ -44,6 +46,17 @@ from .kv_cache import CacheView
 
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
+
+
+def auto_decode_backend(device: torch.device, workspace_bytes: int | None) -> str:
+    """What ``decode_backend="auto"`` runs: this captured step on a CPU device where torch.compile finds a C++
+    compiler (inductor's CPU code is C++), the eager workspace elsewhere (on CUDA the captured step is not yet
+    measured) and when the workspace is switched off (``decode_workspace_bytes=0``: the step's rows live there)."""
+    if device.type != "cpu" or workspace_bytes == 0:
+        return "workspace"
+    if os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "static"
+    return "workspace"
 
 
 def batch_bucket(n: int) -> int:

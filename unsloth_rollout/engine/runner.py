@@ -11,6 +11,7 @@ decode_static.py.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import numpy as np
 import torch
@@ -20,8 +21,11 @@ from ..models.families import check_supported, text_dims
 from . import cpu_attention
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, inner_implementation, register, set_current
 from .decode_backend import DECODE_BACKENDS, DecodeWorkspace
+from .decode_static import auto_decode_backend
 from .kv_cache import CacheView, KVCache
 from .vision import PromptVision
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -33,8 +37,12 @@ class ModelRunner:
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.vision_token_ids = frozenset(vision_token_ids)  # tokens whose embedding needs the prompt's pixels
-        if decode_backend not in DECODE_BACKENDS:
-            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        if decode_backend not in (*DECODE_BACKENDS, "auto"):
+            raise ValueError(f"decode_backend must be one of {('auto', *DECODE_BACKENDS)}, got {decode_backend!r}")
+        self.decode_backend_requested = "static" if compile_decode else decode_backend
+        self.decode_backend_fallback = None  # why "auto" runs the eager workspace where it meant the static step
+        if decode_backend == "auto" and not compile_decode:
+            decode_backend = auto_decode_backend(policy.device, decode_workspace_bytes)
         # decode_compile=True is the captured step (decode_static.py), the one compiled decode path.
         self.decode_backend = "static" if compile_decode else decode_backend
         # "static" (decode_static.py) is the workspace rows read by a compiled step; eager steps share them.
@@ -312,4 +320,12 @@ class ModelRunner:
                 self.workspace.arrange([], [], [])
             self.kv.free(blocks)
         if self.static is not None:
-            self.static.warm()  # compiles the captured step, after its eager run through the guard
+            try:
+                self.static.warm()  # compiles the captured step, after its eager run through the guard
+            except Exception as e:  # noqa: BLE001 - "auto" falls back to the eager workspace; "static" was asked
+                if self.decode_backend_requested != "auto":
+                    raise
+                self.decode_backend_fallback = f"{type(e).__name__}: {e}"[:500]
+                logger.warning("unsloth_rollout: the static decode step could not be compiled (%s); decoding "
+                               "with the eager workspace instead", self.decode_backend_fallback)
+                self.static, self.decode_backend = None, "workspace"

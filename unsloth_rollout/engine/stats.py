@@ -32,9 +32,11 @@ def engine_stats(engine) -> dict:
         prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
         prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
         num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
-        decode_backend=core.runner.decode_backend, cpu_attention_kernel=core.runner._kernel,
+        decode_backend=core.runner.decode_backend, decode_backend_fallback=core.runner.decode_backend_fallback,
+        cpu_attention_kernel=core.runner._kernel,
         mm_processor_cache_hits=core.inputs.cache.hits,
         mm_processor_cache_misses=core.inputs.cache.misses, mm_processor_cache_bytes=core.inputs.cache.bytes)
     if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
-        s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps)
+        s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps,
+                 decode_guarded_steps=st.guarded_steps, decode_trusted_steps=st.trusted_steps)
     return s
