@@ -67,7 +67,7 @@ class ModelRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.compile_decode = compile_decode
         self._last_ctx = None  # the ForwardContext of the latest eager forward (the probe reads what it saw)
-        if self.workspace is not None and self.decode_backend == "workspace" and shared_prefix_decode:
+        if self.workspace is not None and shared_prefix_decode:  # static: such steps run eager (decode())
             self.workspace.shared_prefix = self._shared_prefix_servable()
         self.static = None
         self.weights_clock = None  # the engine core's WeightsClock (set by the core; read by the captured step)
@@ -254,9 +254,12 @@ class ModelRunner:
         names = self.adapter_names(adapters or [None] * n_rows)
         if keys is not None and self.workspace is not None and not self.workspace.gathering:
             if self.static is not None and not eager:
-                if names is None and self.static.fits(n_rows, max(lengths) + 1):
+                if (names is None and max(self.workspace.row_entry, default=-1) < 0
+                        and self.static.fits(n_rows, max(lengths) + 1)):
                     return self.static.run(tokens, lengths, deltas, block_tables)
-                self.static.eager_steps += 1  # rows naming different adapters (or no room to pad): eager, same rows
+                # rows naming different adapters, rows reading a shared prompt's positions from a prefix entry
+                # (GRPO samples: read once for all of them), or no room to pad: eager, same rows
+                self.static.eager_steps += 1
             return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         b, lmax = n_rows, max(lengths) + 1
         gather = np.full((b, lmax), self.kv.scratch_slot, dtype=np.int64)
