@@ -76,7 +76,7 @@ def test_static_decode_compiles_one_graph_for_every_layer(served):
     st = engine.core.runner.static
     assert st.region == "layer" and len(st._layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
     assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= 2
-    assert st.trusted and st._layer_graphs is not None and len(set(st._layer_graphs)) == 1
+    assert st.trust.enabled and st.trust.graphs is not None and len(set(st.trust.graphs)) == 1
 
 
 def test_static_decode_logprobs_match_teacher_forced(served):
@@ -100,14 +100,14 @@ def test_static_decode_follows_in_place_lora_updates(served):
             if "lora_B" in name:
                 p.mul_(-1.5)
     st = engine.core.runner.static
-    guarded, trusted = st.guarded_steps, st.trusted_steps
+    guarded, trusted = st.trust.guarded_steps, st.trust.trusted_steps
     engine.weights_changed(1)
     after = engine.generate([_req(ids, 12)])[0].output_ids
     assert after == _greedy(policy, ids, 12)
     assert after != before, "the update was meant to change the greedy tokens"
     assert _graphs() == graphs
     # the first step after the change is guarded (dynamo re-checks the model), the rest trusted again
-    assert st.guarded_steps == guarded + 1 and st.trusted_steps >= trusted + 9
+    assert st.trust.guarded_steps == guarded + 1 and st.trust.trusted_steps >= trusted + 9
 
 
 def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
@@ -183,10 +183,10 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
                  "one two three four five six seven eight nine ten eleven twelve thirteen", "Bob and Carol"]
         greedy = [_req(tok.encode(t), 14) for t in texts]
         sampled = [_req(tok.encode(t), 14, temperature=1.0, seed=i) for i, t in enumerate(texts)]
-        trusted0 = st.trusted_steps
+        trusted0 = st.trust.trusted_steps
         outs = engine.generate(greedy + sampled)
-        assert st.trusted_steps - trusted0 >= 10 and st.eager_steps == 0 and st.recompiles == 0
-        graphs = st._layer_graphs
+        assert st.trust.trusted_steps - trusted0 >= 10 and st.eager_steps == 0 and st.recompiles == 0
+        graphs = st.trust.graphs
         assert graphs is not None and len(graphs) == len(st._layers)
         if kinds:
             assert len(set(kinds)) > 1, kinds
@@ -201,3 +201,27 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
                 assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5, family
     finally:
         engine.shutdown()
+
+
+def test_static_decode_sees_a_hook_registered_after_start(served):
+    """A forward hook put on a decoder layer's module after the engine started (no ``weights_changed``): the
+    next step is guarded, dynamo traces the hook in, and the tokens follow it (HF generate with the same hook);
+    once it is removed, the tokens are the model's own again."""
+    policy, engine = served
+    st = engine.core.runner.static
+    # a prompt of its own: the prefix cache would otherwise serve KV computed before the hook (only a weight
+    # change, ``weights_changed``, drops it)
+    ids = policy.tokenizer.encode("carol weighs seven green pears and")
+    mlp = st._layers[1].mlp
+    handle = mlp.register_forward_hook(lambda mod, args, out: out * 3.0)
+    try:
+        guarded = st.trust.guarded_steps
+        hooked = engine.generate([_req(ids, 10)])[0].output_ids
+        assert st.trust.guarded_steps > guarded
+        assert hooked == _greedy(policy, ids, 10)
+    finally:
+        handle.remove()
+    engine.weights_changed()  # the prompt's cached KV was computed with the hook
+    plain = engine.generate([_req(ids, 10)])[0].output_ids
+    assert plain == _greedy(policy, ids, 10)
+    assert plain != hooked, "the hook was meant to change the greedy tokens"

@@ -159,10 +159,14 @@ class EngineBackend(Backend):
         notes = [(f"prefix-cache hits {st.get('prefix_cache_hits')}, steps {st.get('steps')}, "
                   f"preemptions {st.get('num_preemptions')}; peak memory includes the preallocated "
                   f"{st['kv_cache_bytes'] / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
-        if self.decode_backend == "static":
+        if st.get("decode_backend") == "static":
             notes.append(f"captured decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
                          f"timed), {st.get('decode_recompiles')} recompiles after it, "
-                         f"{st.get('decode_eager_steps')} steps run eager")
+                         f"{st.get('decode_eager_steps')} steps run eager (rows of one GRPO group read their "
+                         f"shared prompt once, eager), "
+                         f"{st.get('decode_trusted_steps', 0) + st.get('decode_guarded_steps', 0)} captured")
+        elif st.get("decode_backend_fallback"):
+            notes.append(f"decode_backend='auto' fell back to the eager workspace: {st['decode_backend_fallback']}")
         return RunOutput(samples, notes, extra={"engine_stats": {k: v for k, v in st.items()
                                                                  if isinstance(v, (int, float, bool))}})
 

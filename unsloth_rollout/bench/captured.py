@@ -76,7 +76,7 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     out = {"step_ms": 1000 * statistics.median(times), "setup_s": built_s,
            "warmup_s": st.warmup_s if st is not None else 0.0,
            "graphs_at_warmup": g1 - g0, "recompiles_after_warmup": _graphs() - g1,
-           "eager_steps": st.eager_steps if st is not None else None}
+           "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_backend}
     del core
     return out
 
@@ -104,7 +104,8 @@ def run(model="tiny-lm", layers=8, batch=64, context=256, steps=32, backends=("w
         summary[b] = {"step_ms": statistics.median(r["step_ms"] for r in rs),
                       "vs_hf": statistics.median(r["step_ms"] for r in rs) / hf,
                       "warmup_s_first": rs[0]["warmup_s"], "warmup_s_max": max(r["warmup_s"] for r in rs),
-                      "recompiles_after_warmup": sum(r["recompiles_after_warmup"] for r in rs)}
+                      "recompiles_after_warmup": sum(r["recompiles_after_warmup"] for r in rs),
+                      "ran": sorted({r.get("ran") for r in rs})}
     return {"command": (f"python -m unsloth_rollout.bench.captured --model {model} --layers {layers} --batch {batch} "
                         f"--context {context} --steps {steps} --backends {','.join(backends)} --rounds {rounds} "
                         f"--lora-rank {lora} --seed {seed}"),
@@ -124,7 +125,8 @@ def markdown(rep: dict) -> str:
         if name == "hf":
             lines.append(f"| HF generate() | {s['step_ms']:.1f} | 1.00x | - | - |")
         else:
-            lines.append(f"| engine {name} | {s['step_ms']:.1f} | {s['vs_hf']:.2f}x | {s['warmup_s_first']:.1f} / "
+            label = f"engine {name}" if name != "auto" else f"engine default (auto: {'/'.join(s.get('ran', []))})"
+            lines.append(f"| {label} | {s['step_ms']:.1f} | {s['vs_hf']:.2f}x | {s['warmup_s_first']:.1f} / "
                          f"{s['warmup_s_max']:.1f} | {s['recompiles_after_warmup']} |")
     return "\n".join(lines) + "\n"
 

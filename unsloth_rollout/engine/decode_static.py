@@ -33,19 +33,17 @@ the cache-use guard in the engine's probe); only the kernels differ (inductor's 
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import time
-import types
 
 import torch
 
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
+from .decode_trust import LayerTrust
 from .kv_cache import CacheView
 
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
-TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
 
 
 def auto_decode_backend(device: torch.device, workspace_bytes: int | None) -> str:
@@ -126,54 +124,6 @@ def _layer_call(layer, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
-# What a trusted copy of the layer region still checks per call (the shapes' symbolic relations and the global
-# autograd / torch-function state); everything else is vouched for by ``StaticDecode._validate``.
-_LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
-                          "DETERMINISTIC_ALGORITHMS"})
-_copies = itertools.count()
-
-
-def _lean_guards(entries) -> list[bool]:
-    """``guard_filter_fn`` of the trusted copies: keep only the guards in ``_LEAN_GUARDS``."""
-    return [e.guard_type in _LEAN_GUARDS for e in entries]
-
-
-def _region_copy(tag: str):
-    """``_layer_call`` under a code object of its own: dynamo keeps compiled entries per code object, so a copy's
-    entries (and their guards) never serve, or are served by, another region."""
-    code = _layer_call.__code__.replace(co_name=f"_layer_call_{tag}_{next(_copies)}")
-    return types.FunctionType(code, _layer_call.__globals__, code.co_name)
-
-
-def _tagged_backend(mode):
-    """Inductor, with every graph it compiles numbered and each call's number appended to ``backend.ran``, so
-    a guarded step can say which graph(s) served each layer. None where this torch has no such backend class."""
-    base = getattr(torch, "_TorchCompileInductorWrapper", None)
-    if base is None:
-        return None
-
-    class Tagged(base):
-        def __init__(self):
-            super().__init__(mode, None, None)
-            self.__name__ = "inductor"
-            self.count, self.ran = 0, []
-
-        def __call__(self, gm, example_inputs):
-            fn, gid = super().__call__(gm, example_inputs), self.count
-            self.count += 1
-
-            def run(*args):
-                self.ran.append(gid)
-                return fn(*args)
-            run._boxed_call = getattr(fn, "_boxed_call", False)
-            return run
-
-    try:
-        return Tagged()
-    except Exception:  # noqa: BLE001 - an inductor wrapper this code does not know: no trusted copies
-        return None
-
-
 def decoder_layers(model, num_layers: int) -> list:
     """The text decoder's layers: the ModuleList of ``num_layers`` modules with a ``self_attn`` that has a
     ``layer_idx`` (a vision tower's blocks have no layer_idx)."""
@@ -199,17 +149,11 @@ class StaticDecode:
             self._layers = decoder_layers(runner.policy.model, runner.num_layers)
             self._windows = sorted({getattr(l.self_attn, "sliding_window", None) or None for l in self._layers},
                                    key=lambda w: -1 if w is None else w)
-            # The guarded region: dynamo checks its guards on every call (~800 for a LoRA layer: each module's
-            # hooks, types and parameters), ~5 ms a step on the 36-layer bench model. It runs when the model may
-            # have changed (``_validate``) and records which graph served each layer; the other steps call a
-            # trusted copy per graph, which keeps only ``_LEAN_GUARDS``.
-            self._backend = _tagged_backend(mode)
-            if self._backend is not None:
-                self._layer_fn = torch.compile(_region_copy("guarded"), backend=self._backend, dynamic=None)
-            else:
-                self._layer_fn = torch.compile(_region_copy("guarded"), mode=mode, dynamic=None)
+            # dynamo's guards are checked on the steps after a possible change, trusted between (decode_trust.py)
+            self.trust = LayerTrust(_layer_call, self._layers, mode)
             self._fn = self._step_layers
         else:
+            self.trust = None
             self._fn = torch.compile(self._step, mode=mode, dynamic=None)
         self.warmup_s = 0.0
         self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
@@ -217,13 +161,6 @@ class StaticDecode:
         self.recompiles = 0
         self.steps = 0
         self.eager_steps = 0
-        self.trusted = region == "layer" and self._backend is not None  # False: every step guarded
-        self._trusted_fns = {}  # graph number -> the trusted copy serving the layers that graph served
-        self._layer_graphs = None  # per layer, the graph the last guarded step ran it with (None: not trusted)
-        self._vouched = None  # what the last guarded step ran under (``_state``)
-        self._since = 0  # trusted steps since the last guarded one
-        self.guarded_steps = 0
-        self.trusted_steps = 0
 
     # ------------------------------------------------------------------ the graph
     def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, check=False):
@@ -257,15 +194,8 @@ class StaticDecode:
         view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, k_pos.shape[0], ctx)
         rows = view.rows
         torch._dynamo.mark_dynamic(rows, 0)
-        layers, backend = self._layers, self._backend
-        state = self._state()
-        if self.trusted and self._layer_graphs is not None and state == self._vouched and self._since < TRUST_STEPS:
-            fns, ran = [self._trusted_fn(g) for g in self._layer_graphs], None
-            self._since += 1
-            self.trusted_steps += 1
-        else:  # guarded: dynamo checks everything, and says which graph ran each layer
-            fns, ran = [self._layer_fn] * len(layers), [None] * len(layers)
-            self.guarded_steps += 1
+        layers, trust, state = self._layers, self.trust, self._state()
+        fns, ran = trust.fns(state)  # ran: None on a trusted step, else filled with the graphs each layer ran
 
         def region(i, layer):
             lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
@@ -279,13 +209,7 @@ class StaticDecode:
                 pe = kwargs.get("position_embeddings")
                 for t in pe or ():
                     torch._dynamo.mark_dynamic(t, 0)
-                if ran is None:
-                    return fn(layer, hidden_states, *args, **kwargs)
-                if backend is not None:
-                    backend.ran = []
-                out = fn(layer, hidden_states, *args, **kwargs)
-                ran[i] = tuple(backend.ran) if backend is not None else ()
-                return out
+                return trust.call(fn, ran, i, layer, hidden_states, *args, **kwargs)
             return forward
 
         for i, layer in enumerate(layers):
@@ -297,7 +221,7 @@ class StaticDecode:
             for layer in layers:
                 del layer.forward
         if ran is not None:
-            self._vouch(ran, state)
+            trust.vouch(ran, state)
         return out.logits[:, -1, :]
 
     def _state(self) -> tuple:
@@ -305,24 +229,6 @@ class StaticDecode:
         the policy's weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py)."""
         clock = self.runner.weights_clock
         return self._key(), (clock._changes if clock is not None else None)
-
-    def _vouch(self, ran: list, state: tuple) -> None:
-        """After a guarded step: trust it when every layer ran as exactly one graph (no graph break, no eager
-        fallback); layers that ran the same graph share a trusted copy."""
-        self._since = 0
-        if self.trusted and all(len(g) == 1 for g in ran):
-            self._layer_graphs, self._vouched = [g[0] for g in ran], state
-        else:
-            self._layer_graphs, self._vouched = None, None
-
-    def _trusted_fn(self, graph: int):
-        """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,
-        so inductor's cache serves it), then called with only ``_LEAN_GUARDS`` checked."""
-        fn = self._trusted_fns.get(graph)
-        if fn is None:
-            fn = self._trusted_fns[graph] = torch.compile(_region_copy(f"trusted{graph}"), backend=self._backend,
-                                                          dynamic=None, options={"guard_filter_fn": _lean_guards})
-        return fn
 
     def _inputs(self, tokens, lengths, deltas, block_tables):
         r, kv = self.runner, self.runner.kv
@@ -363,9 +269,18 @@ class StaticDecode:
             raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
         args = self._inputs(tokens, lengths, deltas, block_tables)
         before = _graphs()
-        logits = self._call(args)[: len(tokens)]
+        try:
+            logits = self._call(args)[: len(tokens)]
+        except Exception:
+            if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: is it the cache?
+                self._call(args, lambda *a: self._step(*a, check=True))  # CacheBypassError names the layer
+            raise
         if self.warm_graphs is not None and _graphs() > before:
             self.recompiles += _graphs() - before
+            # A graph traced after start (the model changed: another adapter, a patched module): the step runs
+            # again eager through the cache-use guard, as at warm-up (same K/V written to the same places), and
+            # a layer that no longer uses the engine's cache is refused by name (CacheBypassError).
+            logits = self._call(args, lambda *a: self._step(*a, check=True))[: len(tokens)]
         ws.advance()
         self.steps += 1
         return logits

@@ -11,11 +11,11 @@ decode_static.py.
 from __future__ import annotations
 
 import inspect
-import logging
 
 import numpy as np
 import torch
 
+from ..logs import get_logger
 from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
 from ..models.families import check_supported, text_dims
 from . import cpu_attention
@@ -25,7 +25,7 @@ from .decode_static import auto_decode_backend
 from .kv_cache import CacheView, KVCache
 from .vision import PromptVision
 
-logger = logging.getLogger(__name__)
+logger = get_logger("unsloth_rollout")
 
 
 class ModelRunner:

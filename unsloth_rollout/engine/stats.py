@@ -38,5 +38,6 @@ def engine_stats(engine) -> dict:
         mm_processor_cache_misses=core.inputs.cache.misses, mm_processor_cache_bytes=core.inputs.cache.bytes)
     if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
         s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps,
-                 decode_guarded_steps=st.guarded_steps, decode_trusted_steps=st.trusted_steps)
+                 decode_guarded_steps=st.trust.guarded_steps if st.trust is not None else st.steps,
+                 decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0)
     return s

@@ -1,0 +1,145 @@
+"""When the captured decode step may skip dynamo's guards (``decode_static.py``).
+
+Dynamo checks a compiled region's guards on every call: for a LoRA decoder layer ~800 of them (each module's
+hooks, type, parameters, attributes), ~150 us a call, ~5 ms of a 36-layer decode step. So the layer region exists
+twice. The *guarded* copy checks everything, and while it runs, ``TaggedInductor`` records which compiled graph
+served each layer. The *trusted* copies, one per graph (each its own code object, so its entries never serve
+another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations and the global autograd state.
+
+``LayerTrust`` decides which runs. A guarded step runs first, then whenever the model may have changed:
+- the state the step was traced under moves (``StaticDecode._key``: the model, its training mode, adapters, the
+  attention kernel, grad / inference mode), or the engine's weight clock moves (every change of the policy's
+  weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py);
+- a module of a decoder layer got or lost an instance ``forward``, a forward hook or a pre-hook, or a global
+  forward hook came or went (checked every step: ~0.2 ms for 36 LoRA layers; the guarded region guards on
+  hooks, which dynamo by default does not: ``torch._dynamo.config.skip_nnmodule_hook_guards``);
+- every ``TRUST_STEPS``-th step regardless.
+Layers that dynamo compiled apart (a sliding-window layer and a full one) never share a trusted copy, and a
+layer that did not run as exactly one graph (a graph break, an eager fallback) makes every step guarded.
+What trusted steps assume: nothing else about a decoder layer changes without ``weights_changed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+
+TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
+LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
+                         "DETERMINISTIC_ALGORITHMS"})
+_copies = itertools.count()
+
+
+def lean_guards(entries) -> list[bool]:
+    """``guard_filter_fn`` of the trusted copies: keep only the guards in ``LEAN_GUARDS``."""
+    return [e.guard_type in LEAN_GUARDS for e in entries]
+
+
+def region_copy(fn, tag: str):
+    """``fn`` under a code object of its own: dynamo keeps compiled entries per code object, so a copy's
+    entries (and their guards) never serve, or are served by, another region."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}_{next(_copies)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name)
+
+
+def tagged_backend(mode):
+    """Inductor (``mode`` applied), with every graph it compiles numbered and each call's number appended to
+    ``backend.ran``. None where this torch has no such backend class (then every step is guarded)."""
+    base = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if base is None:
+        return None
+
+    class TaggedInductor(base):
+        def __init__(self):
+            super().__init__(mode, None, None)
+            self.__name__ = "inductor"
+            self.count, self.ran = 0, []
+
+        def __call__(self, gm, example_inputs):
+            fn, gid = super().__call__(gm, example_inputs), self.count
+            self.count += 1
+
+            def run(*args):
+                self.ran.append(gid)
+                return fn(*args)
+            run._boxed_call = getattr(fn, "_boxed_call", False)
+            return run
+
+    try:
+        return TaggedInductor()
+    except Exception:  # noqa: BLE001 - an inductor wrapper this code does not know: no trusted copies
+        return None
+
+
+def _marks(modules) -> list:
+    return [(m, m.__dict__.get("forward"), len(m._forward_hooks), len(m._forward_pre_hooks)) for m in modules]
+
+
+def _global_hooks() -> tuple:
+    g = torch.nn.modules.module
+    return (len(g._global_forward_hooks), len(g._global_forward_pre_hooks), len(g._global_module_registration_hooks))
+
+
+class LayerTrust:
+    """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
+
+    def __init__(self, fn, layers: list, mode):
+        self.fn, self.layers, self.mode = fn, layers, mode
+        self.backend = tagged_backend(mode)
+        self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
+                                     **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
+        self.enabled = self.backend is not None
+        self.copies: dict[int, object] = {}  # graph number -> its trusted copy
+        self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
+        self.state = None  # what the last guarded step ran under
+        self.marks, self.hooks = [], None
+        self.since = 0  # trusted steps since the last guarded one
+        self.guarded_steps = self.trusted_steps = 0
+
+    def fns(self, state) -> tuple[list, list | None]:
+        """(the function per layer, a list the guarded step fills with the graphs each layer ran, or None)."""
+        if self.graphs is not None and state == self.state and self.since < TRUST_STEPS and self._unchanged():
+            self.since += 1
+            self.trusted_steps += 1
+            return [self._copy(g) for g in self.graphs], None
+        self.guarded_steps += 1
+        return [self.guarded] * len(self.layers), [None] * len(self.layers)
+
+    def call(self, fn, ran: list | None, i: int, *args, **kwargs):
+        if ran is None:
+            return fn(*args, **kwargs)
+        if self.backend is not None:
+            self.backend.ran = []
+        # Dynamo does not guard on nn.Module hooks by default (``skip_nnmodule_hook_guards``): one graph would
+        # serve a layer with a hook and one without. The guarded region guards on them (read when it traces).
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            out = fn(*args, **kwargs)
+        ran[i] = tuple(self.backend.ran) if self.backend is not None else ()
+        return out
+
+    def vouch(self, ran: list, state) -> None:
+        """After a guarded step: trust its layers when every one ran as exactly one compiled graph."""
+        self.since = 0
+        if self.enabled and all(len(g) == 1 for g in ran):
+            self.graphs, self.state = [g[0] for g in ran], state
+            self.marks, self.hooks = _marks(m for layer in self.layers for m in layer.modules()), _global_hooks()
+        else:
+            self.graphs, self.state = None, None
+
+    def _unchanged(self) -> bool:
+        for m, fwd, hooks, pre in self.marks:
+            d = m.__dict__
+            if d.get("forward") is not fwd or len(d["_forward_hooks"]) != hooks or len(d["_forward_pre_hooks"]) != pre:
+                return False
+        return _global_hooks() == self.hooks
+
+    def _copy(self, graph: int):
+        """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,
+        so inductor's cache serves it), then called with only ``LEAN_GUARDS`` checked."""
+        fn = self.copies.get(graph)
+        if fn is None:
+            fn = self.copies[graph] = torch.compile(region_copy(self.fn, f"trusted{graph}"), backend=self.backend,
+                                                    dynamic=None, options={"guard_filter_fn": lean_guards})
+        return fn
