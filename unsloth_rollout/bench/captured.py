@@ -68,6 +68,8 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     built_s = time.perf_counter() - t
     st = core.runner.static
     g1 = _graphs()
+    trust = st.trust if st is not None else None
+    g, tr = (trust.guarded_steps, trust.trusted_steps) if trust is not None else (0, 0)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -76,7 +78,9 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     out = {"step_ms": 1000 * statistics.median(times), "setup_s": built_s,
            "warmup_s": st.warmup_s if st is not None else 0.0,
            "graphs_at_warmup": g1 - g0, "recompiles_after_warmup": _graphs() - g1,
-           "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_backend}
+           "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_backend,
+           "guarded_steps": trust.guarded_steps - g if trust is not None else None,
+           "trusted_steps": trust.trusted_steps - tr if trust is not None else None}
     del core
     return out
 

@@ -195,7 +195,8 @@ class StaticDecode:
         rows = view.rows
         torch._dynamo.mark_dynamic(rows, 0)
         layers, trust, state = self._layers, self.trust, self._state()
-        fns, ran = trust.fns(state)  # ran: None on a trusted step, else filled with the graphs each layer ran
+        # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
+        fns, ran, mark = trust.fns(state)
 
         def region(i, layer):
             lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
@@ -205,10 +206,10 @@ class StaticDecode:
                 for k, v in kwargs.items():
                     if v is view:
                         kwargs[k] = lv
-                torch._dynamo.mark_dynamic(hidden_states, 0)
-                pe = kwargs.get("position_embeddings")
-                for t in pe or ():
-                    torch._dynamo.mark_dynamic(t, 0)
+                if mark:  # a trace must keep the batch dynamic (trusted copies already traced never trace)
+                    torch._dynamo.mark_dynamic(hidden_states, 0)
+                    for t in kwargs.get("position_embeddings") or ():
+                        torch._dynamo.mark_dynamic(t, 0)
                 return trust.call(fn, ran, i, layer, hidden_states, *args, **kwargs)
             return forward
 
@@ -277,6 +278,8 @@ class StaticDecode:
             raise
         if self.warm_graphs is not None and _graphs() > before:
             self.recompiles += _graphs() - before
+            if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)
+                self.trust.graphs = None
             # A graph traced after start (the model changed: another adapter, a patched module): the step runs
             # again eager through the cache-use guard, as at warm-up (same K/V written to the same places), and
             # a layer that no longer uses the engine's cache is refused by name (CacheBypassError).

@@ -11,7 +11,7 @@ another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations and t
   attention kernel, grad / inference mode), or the engine's weight clock moves (every change of the policy's
   weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py);
 - a module of a decoder layer got or lost an instance ``forward``, a forward hook or a pre-hook, or a global
-  forward hook came or went (checked every step: ~0.2 ms for 36 LoRA layers; the guarded region guards on
+  forward hook came or went (checked every step in ~30 us for 36 LoRA layers; the guarded region guards on
   hooks, which dynamo by default does not: ``torch._dynamo.config.skip_nnmodule_hook_guards``);
 - every ``TRUST_STEPS``-th step regardless.
 Layers that dynamo compiled apart (a sliding-window layer and a full one) never share a trusted copy, and a
@@ -25,6 +25,7 @@ import itertools
 import types
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
@@ -44,7 +45,7 @@ def region_copy(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
-def tagged_backend(mode):
+def tagged_backend(mode, options: dict | None = None):
     """Inductor (``mode`` applied), with every graph it compiles numbered and each call's number appended to
     ``backend.ran``. None where this torch has no such backend class (then every step is guarded)."""
     base = getattr(torch, "_TorchCompileInductorWrapper", None)
@@ -53,7 +54,7 @@ def tagged_backend(mode):
 
     class TaggedInductor(base):
         def __init__(self):
-            super().__init__(mode, None, None)
+            super().__init__(mode, options, None)
             self.__name__ = "inductor"
             self.count, self.ran = 0, []
 
@@ -73,39 +74,45 @@ def tagged_backend(mode):
         return None
 
 
-def _marks(modules) -> list:
-    return [(m, m.__dict__.get("forward"), len(m._forward_hooks), len(m._forward_pre_hooks)) for m in modules]
+def _forwards(dicts: list) -> list:
+    """Each module's instance ``forward`` (None: its class's), in C: ~20 us for 2k modules."""
+    return list(map(dict.get, dicts, itertools.repeat("forward")))
 
 
-def _global_hooks() -> tuple:
+def _hooks_now(hooked: list) -> tuple:
+    """What says whether a hook came or went: torch's hook-handle counter (every ``register_*hook`` call takes
+    the next id), the sizes of the hook dicts that held hooks when vouched for, and the global hook dicts."""
     g = torch.nn.modules.module
-    return (len(g._global_forward_hooks), len(g._global_forward_pre_hooks), len(g._global_module_registration_hooks))
+    return (RemovableHandle.next_id, tuple(len(h) for h in hooked), len(g._global_forward_hooks),
+            len(g._global_forward_pre_hooks))
 
 
 class LayerTrust:
     """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
 
-    def __init__(self, fn, layers: list, mode):
+    def __init__(self, fn, layers: list, mode, options: dict | None = None):
         self.fn, self.layers, self.mode = fn, layers, mode
-        self.backend = tagged_backend(mode)
+        self.backend = tagged_backend(mode, options)
         self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
                                      **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
         self.enabled = self.backend is not None
         self.copies: dict[int, object] = {}  # graph number -> its trusted copy
         self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
         self.state = None  # what the last guarded step ran under
-        self.marks, self.hooks = [], None
+        self.dicts, self.forwards, self.hooked, self.hooks = [], [], [], None  # what _unchanged compares
         self.since = 0  # trusted steps since the last guarded one
         self.guarded_steps = self.trusted_steps = 0
 
-    def fns(self, state) -> tuple[list, list | None]:
-        """(the function per layer, a list the guarded step fills with the graphs each layer ran, or None)."""
+    def fns(self, state) -> tuple[list, list | None, bool]:
+        """(the function per layer, a list the guarded step fills with the graphs each layer ran or None, whether
+        a function may trace now: then the step marks its dynamic dimensions)."""
         if self.graphs is not None and state == self.state and self.since < TRUST_STEPS and self._unchanged():
             self.since += 1
             self.trusted_steps += 1
-            return [self._copy(g) for g in self.graphs], None
+            fresh = any(g not in self.copies for g in self.graphs)
+            return [self._copy(g) for g in self.graphs], None, fresh
         self.guarded_steps += 1
-        return [self.guarded] * len(self.layers), [None] * len(self.layers)
+        return [self.guarded] * len(self.layers), [None] * len(self.layers), True
 
     def call(self, fn, ran: list | None, i: int, *args, **kwargs):
         if ran is None:
@@ -124,16 +131,15 @@ class LayerTrust:
         self.since = 0
         if self.enabled and all(len(g) == 1 for g in ran):
             self.graphs, self.state = [g[0] for g in ran], state
-            self.marks, self.hooks = _marks(m for layer in self.layers for m in layer.modules()), _global_hooks()
+            self.dicts = [m.__dict__ for layer in self.layers for m in layer.modules()]
+            self.forwards = _forwards(self.dicts)
+            self.hooked = [h for d in self.dicts for h in (d["_forward_hooks"], d["_forward_pre_hooks"]) if h]
+            self.hooks = _hooks_now(self.hooked)
         else:
             self.graphs, self.state = None, None
 
     def _unchanged(self) -> bool:
-        for m, fwd, hooks, pre in self.marks:
-            d = m.__dict__
-            if d.get("forward") is not fwd or len(d["_forward_hooks"]) != hooks or len(d["_forward_pre_hooks"]) != pre:
-                return False
-        return _global_hooks() == self.hooks
+        return _hooks_now(self.hooked) == self.hooks and _forwards(self.dicts) == self.forwards
 
     def _copy(self, graph: int):
         """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,
