@@ -119,19 +119,22 @@ def test_vlm_run_in_process():
 
 
 def test_captured_engine_runs_beside_the_eager_one():
-    """``--backends engine,engine-static``: the captured decode is a bench backend of its own, opt-in (not in the
-    default list), its samples as many tokens as the eager engine's, drift <= 1e-5 against the
-    teacher-forced forward, no recompile after its warm-up."""
+    """``--backends engine,engine-static,engine-eager``: the captured decode forced on and every step eager are
+    bench backends of their own, opt-in (not in the default list), their samples as many tokens as the default
+    engine's, drift <= 1e-5 against the teacher-forced forward, no recompile after the warm-up."""
     from unsloth_rollout.bench import run_bench
     from unsloth_rollout.bench.backends import DEFAULT_BACKENDS
 
-    assert "engine-static" not in DEFAULT_BACKENDS and "engine" in DEFAULT_BACKENDS
-    report = run_bench("tiny-lm", prompts=2, group=2, max_new_tokens=6, backends=["engine", "engine-static"],
-                       drift_samples=4, progress=False)
+    assert "engine-static" not in DEFAULT_BACKENDS and "engine-eager" not in DEFAULT_BACKENDS
+    assert "engine" in DEFAULT_BACKENDS
+    report = run_bench("tiny-lm", prompts=2, group=2, max_new_tokens=6,
+                       backends=["engine", "engine-static", "engine-eager"], drift_samples=4, progress=False)
     rows = {r["backend"]: r for r in report["results"]}
-    assert set(rows) == {"engine", "engine-static"}, report["skipped"]
-    assert rows["engine-static"]["output_tokens"] == rows["engine"]["output_tokens"]
-    assert rows["engine-static"]["logprob_drift"] <= 1e-5
+    assert set(rows) == {"engine", "engine-static", "engine-eager"}, report["skipped"]
+    for name in ("engine-static", "engine-eager"):
+        assert rows[name]["output_tokens"] == rows["engine"]["output_tokens"]
+        assert rows[name]["logprob_drift"] <= 1e-5
+    assert not any("captured decode" in n for n in rows["engine-eager"]["notes"])
     st = rows["engine-static"]["engine_stats"]
     assert st["decode_recompiles"] == 0 and st["decode_warmup_s"] > 0, st
     assert any("captured decode" in n for n in rows["engine-static"]["notes"])

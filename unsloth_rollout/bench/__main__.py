@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated; those that cannot run here are listed with the reason (default "
-                        f"{','.join(DEFAULT_BACKENDS)}; also engine-static, the engine with the captured decode, and "
+                        f"{','.join(DEFAULT_BACKENDS)}; also engine-static, the engine with the captured decode "
+                        "forced on, engine-eager, the engine with every decode step eager (the default, "
+                        "decode_backend auto, is captured on CPU), and "
                         "engine-whole-rows, the engine without shared-prefix decode; "
                         "for --workload long the engine's decode backends "
                         f"{','.join(LONG_DEFAULTS['backends'])}; add 'static' for the captured decode beside the "

@@ -182,6 +182,14 @@ class EngineStaticBackend(EngineBackend):
     decode_backend = "static"
 
 
+class EngineEagerBackend(EngineBackend):
+    """The same engine with every decode step eager (``decode_backend="workspace"``, the default before
+    ``"auto"``), beside the default one: what the captured step saves on a workload."""
+
+    name = "engine-eager"
+    decode_backend = "workspace"
+
+
 class EngineWholeRowsBackend(EngineBackend):
     """The same engine with every decode row holding its whole history (``shared_prefix_decode=False``): what
     reading each GRPO group's prompt once per step saves."""
@@ -505,8 +513,10 @@ def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int
 
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (EngineBackend, HFSequentialBackend, HFBatchedBackend, TransformersCBBackend, VLLMBackend,
-                        SGLangBackend, EngineStaticBackend, EngineWholeRowsBackend)
+                        SGLangBackend, EngineStaticBackend, EngineEagerBackend, EngineWholeRowsBackend)
 }
-# What runs without --backends: every backend but two opt-in variants of the engine: the captured decode (it
-# compiles at engine start: benchmarks/cpu/captured.md) and whole rows (shared prefixes off, for comparison).
-DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineStaticBackend.name, EngineWholeRowsBackend.name)]
+# What runs without --backends: every backend but the opt-in variants of the engine: the captured decode forced
+# on, every step eager (the default, "auto", is captured on CPU: benchmarks/cpu/captured.md), and whole rows
+# (shared prefixes off, for comparison).
+DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineStaticBackend.name, EngineEagerBackend.name,
+                                                     EngineWholeRowsBackend.name)]
