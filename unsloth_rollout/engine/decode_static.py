@@ -281,9 +281,11 @@ class StaticDecode:
             if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)
                 self.trust.graphs = None
             # A graph traced after start (the model changed: another adapter, a patched module): the step runs
-            # again eager through the cache-use guard, as at warm-up (same K/V written to the same places), and
-            # a layer that no longer uses the engine's cache is refused by name (CacheBypassError).
-            logits = self._call(args, lambda *a: self._step(*a, check=True))[: len(tokens)]
+            # again eager through the cache-use guard, as at warm-up (the same K/V written to the same places),
+            # and a layer that no longer uses the engine's cache is refused by name (CacheBypassError). Then once
+            # more compiled, so this step's K/V and logits are the compiled graph's, as every other step's are.
+            self._call(args, lambda *a: self._step(*a, check=True))
+            logits = self._call(args)[: len(tokens)]
         ws.advance()
         self.steps += 1
         return logits
