@@ -1,5 +1,5 @@
-"""The captured decode step (``decode_backend="static"``, also ``decode_compile=True``): one compiled graph
-shared by every decoder layer, for every batch and context.
+"""The captured decode step (``decode_backend="static"``, also ``decode_compile=True``, and what the default
+``"auto"`` runs on CPU): one compiled graph shared by every decoder layer of a kind, for every batch and context.
 
 The eager decode is dispatch-bound on small-hidden models: a step is hundreds of Python module calls (36 layers
 x 7 projections x base + LoRA A + LoRA B, norms, rotary, attention, cache writes), each a few microseconds of
@@ -24,8 +24,12 @@ decoder layer's forward through ``torch.compile``, with shapes that never force 
 - Parameters are graph inputs (dynamo lifts module parameters), never baked: an optimizer step that updates
   the LoRA weights in place is seen by the next step.
 - The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
-  are counted (``stats()["decode_recompiles"]``). Steps the graph cannot serve exactly run eager through the
-  same workspace rows: rows that name different adapters (PEFT's per-row ``adapter_names`` is Python).
+  are counted (``stats()["decode_recompiles"]``); a step that traced a new graph is checked, as warm-up's
+  was, by the same step run eager through the cache-use guard. Steps the graph does not serve run eager through
+  the same workspace rows: rows that name different adapters (PEFT's per-row ``adapter_names`` is Python), and
+  rows that read a GRPO group's shared prompt from a prefix entry (``runner.decode``).
+- Dynamo's guards (~150 us a layer call) are checked on the steps after the model may have changed; the other
+  steps call trusted copies of the region (``decode_trust.py``).
 
 The arithmetic is the eager workspace decode's (same attention function, same masks, same view code, checked by
 the cache-use guard in the engine's probe); only the kernels differ (inductor's fused elementwise ops).
