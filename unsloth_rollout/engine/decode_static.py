@@ -233,7 +233,7 @@ class StaticDecode:
         """What a guarded step vouches for: the traced-under key and the weight-change count (every change of
         the policy's weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py)."""
         clock = self.runner.weights_clock
-        return self._key(), (clock._changes if clock is not None else None)
+        return self._key(), (clock.changes if clock is not None else None)
 
     def _inputs(self, tokens, lengths, deltas, block_tables):
         r, kv = self.runner, self.runner.kv
@@ -278,7 +278,7 @@ class StaticDecode:
             logits = self._call(args)[: len(tokens)]
         except Exception:
             if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: is it the cache?
-                self._call(args, lambda *a: self._step(*a, check=True))  # CacheBypassError names the layer
+                self._checked(args)  # CacheBypassError names the layer
             raise
         if self.warm_graphs is not None and _graphs() > before:
             self.recompiles += _graphs() - before
@@ -288,7 +288,7 @@ class StaticDecode:
             # again eager through the cache-use guard, as at warm-up (the same K/V written to the same places),
             # and a layer that no longer uses the engine's cache is refused by name (CacheBypassError). Then once
             # more compiled, so this step's K/V and logits are the compiled graph's, as every other step's are.
-            self._call(args, lambda *a: self._step(*a, check=True))
+            self._checked(args)
             logits = self._call(args)[: len(tokens)]
         ws.advance()
         self.steps += 1
@@ -301,6 +301,10 @@ class StaticDecode:
         return (id(m), m.training, str(getattr(m, "active_adapter", None)), tuple(sorted(peft or ())),
                 tuple(sorted(getattr(self.runner.policy, "served_adapters", None) or ())), self.runner._inner,
                 self.runner._kernel, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+    def _checked(self, args) -> torch.Tensor:
+        """The step run eager through the cache-use guard (``ForwardContext.verify``: CacheBypassError by name)."""
+        return self._call(args, lambda *a: self._step(*a, check=True))
 
     def _call(self, args, fn=None):
         cfg = self.runner._text_config
@@ -327,7 +331,7 @@ class StaticDecode:
                 if ws.arrange(keys, [2, 2], [blocks, blocks]) is None:
                     return  # a workspace budget too small for two rows: every step gathers, eager
                 args = self._inputs([0, 0], [2, 2], [0, 0], [blocks, blocks])
-                self._call(args, lambda *a: self._step(*a, check=True))  # the cache-use guard, eager
+                self._checked(args)  # the cache-use guard, eager
                 for _ in range(2):  # guarded (it vouches for the layers), then trusted (compiles the copies)
                     ws.lengths = [2, 2]
                     self._call(args)

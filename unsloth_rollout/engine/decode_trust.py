@@ -45,7 +45,7 @@ def region_copy(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
-def tagged_backend(mode, options: dict | None = None):
+def tagged_backend(mode):
     """Inductor (``mode`` applied), with every graph it compiles numbered and each call's number appended to
     ``backend.ran``. None where this torch has no such backend class (then every step is guarded)."""
     base = getattr(torch, "_TorchCompileInductorWrapper", None)
@@ -54,7 +54,7 @@ def tagged_backend(mode, options: dict | None = None):
 
     class TaggedInductor(base):
         def __init__(self):
-            super().__init__(mode, options, None)
+            super().__init__(mode, None, None)
             self.__name__ = "inductor"
             self.count, self.ran = 0, []
 
@@ -90,9 +90,9 @@ def _hooks_now(hooked: list) -> tuple:
 class LayerTrust:
     """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
 
-    def __init__(self, fn, layers: list, mode, options: dict | None = None):
+    def __init__(self, fn, layers: list, mode):
         self.fn, self.layers, self.mode = fn, layers, mode
-        self.backend = tagged_backend(mode, options)
+        self.backend = tagged_backend(mode)
         self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
                                      **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
         self.enabled = self.backend is not None

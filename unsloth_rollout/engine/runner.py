@@ -254,8 +254,7 @@ class ModelRunner:
         names = self.adapter_names(adapters or [None] * n_rows)
         if keys is not None and self.workspace is not None and not self.workspace.gathering:
             if self.static is not None and not eager:
-                if (names is None and max(self.workspace.row_entry, default=-1) < 0
-                        and self.static.fits(n_rows, max(lengths) + 1)):
+                if names is None and not self.workspace.has_prefixes and self.static.fits(n_rows, max(lengths) + 1):
                     return self.static.run(tokens, lengths, deltas, block_tables)
                 # rows naming different adapters, rows reading a shared prompt's positions from a prefix entry
                 # (GRPO samples: read once for all of them), or no room to pad: eager, same rows

@@ -35,6 +35,11 @@ class WeightsClock:
             if version is not None:
                 self.version = int(version)
 
+    @property
+    def changes(self) -> int:
+        """Bumps so far (an int read: no lock needed)."""
+        return self._changes
+
     def state(self):
         """(version, stamp_of(lora_name), number of changes so far), read together."""
         with self._lock:
