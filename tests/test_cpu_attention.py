@@ -76,6 +76,46 @@ needs_kernel = pytest.mark.skipif(not (LINUX_GXX and cpu_attention.available()),
 
 
 @needs_kernel
+def test_the_op_is_registered_in_cpp_and_its_python_fallback_agrees_bitwise(tmp_path):
+    """Here the op ``unsloth_rollout::decode_attention`` is the C++ registration (no Python frame per call, in
+    eager and in a compiled graph's wrapper). Where that library cannot build, the op is a Python custom op over
+    the same kernel: a process whose torch-header build fails computes bitwise the same outputs, eager and
+    compiled, and refuses a bad key range with the same message."""
+    assert cpu_attention.op_registration() == "c++"
+    code = ("import sys, torch\n"
+            "import unsloth_rollout.kernels.build as b\n"
+            "def no_headers():\n"
+            "    raise RuntimeError('no torch headers here')\n"
+            "b._torch_flags = no_headers\n"
+            "from unsloth_rollout.engine import cpu_attention as c\n"
+            "assert c.available(), c.build_error()\n"
+            "assert c.op_registration().startswith('python: RuntimeError: no torch headers'), c.op_registration()\n"
+            "q, k, v, lens = torch.load(sys.argv[1])\n"
+            "lo, hi = c.key_range(lens, None)\n"
+            "eager = c.decode_attention(q, k, v, lo, hi, None)\n"
+            "compiled = torch.compile(lambda *a: c.decode_attention(*a, None), fullgraph=True)(q, k, v, lo, hi)\n"
+            "try:\n"
+            "    c.decode_attention(q, k, v, lo, hi + 1, None)\n"
+            "except RuntimeError as e:\n"
+            "    assert 'outside the keys' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('a range past the keys was read')\n"
+            "torch.save([eager, compiled], sys.argv[2])\n")
+    q, k, v, lens = _case(5, 2, 3, 32, 40, [3, 39, 17, 0, 25], seed=4, strided=True)
+    torch.save([q, k, v, lens], tmp_path / "in.pt")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (e_out, e_lse), (c_out, c_lse) = torch.load(tmp_path / "out.pt")
+    lo, hi = cpu_attention.key_range(lens, None)
+    out, lse = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    for other in (e_out, c_out):
+        assert torch.equal(out, other)
+    for other in (e_lse, c_lse):
+        assert torch.equal(lse, other)
+
+
+@needs_kernel
 @pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("g", [1, 2, 3, 4, 7, 8])
 def test_kernel_matches_a_float64_attention(d, g):

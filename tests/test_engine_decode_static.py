@@ -225,3 +225,44 @@ def test_static_decode_sees_a_hook_registered_after_start(served):
     plain = engine.generate([_req(ids, 10)])[0].output_ids
     assert plain == _greedy(policy, ids, 10)
     assert plain != hooked, "the hook was meant to change the greedy tokens"
+
+
+def test_static_decode_sees_a_parameter_given_another_layout(served):
+    """A decoder-layer parameter given new data with the same values but transposed strides after start (no
+    ``weights_changed``): the compiled graphs leave out inductor's per-input size asserts, so the trusted step
+    would read it with the old strides; the layers' tensor check (decode_trust.py) makes the next step guarded,
+    and the tokens stay HF generate's. A replaced submodule with other weights is followed too."""
+    policy, engine = served
+    st = engine.core.runner.static
+    ids = policy.tokenizer.encode("dave paints nine blue boats and")
+    want = _greedy(policy, ids, 10)
+    engine.generate([_req(ids, 2)])  # a trusted step is possible from here on
+    w = st._layers[-1].mlp.down_proj.base_layer.weight
+    before = w.data
+    w.data = before.t().contiguous().t()  # same values and shape, column-major
+    try:
+        assert w.stride() != before.stride() and torch.equal(w, before)
+        guarded = st.trust.guarded_steps
+        assert engine.generate([_req(ids, 10)])[0].output_ids == want
+        assert st.trust.guarded_steps > guarded
+    finally:
+        w.data = before
+    layer = st._layers[0]
+    norm = layer.post_attention_layernorm
+    other = type(norm)(norm.weight.shape[0], eps=norm.variance_epsilon)
+    with torch.no_grad():
+        other.weight.copy_(norm.weight * -2.0)
+    layer.post_attention_layernorm = other
+    try:
+        changed = _greedy(policy, ids, 10)
+        engine.weights_changed()  # the prompt's cached KV came from the old module
+        guarded = st.trust.guarded_steps
+        assert engine.generate([_req(ids, 10)])[0].output_ids == changed
+        assert st.trust.guarded_steps > guarded
+        guarded, trusted = st.trust.guarded_steps, st.trust.trusted_steps
+        assert engine.generate([_req(ids, 10)])[0].output_ids == changed
+        assert st.trust.guarded_steps == guarded and st.trust.trusted_steps > trusted  # trusted on the new module
+    finally:
+        layer.post_attention_layernorm = norm
+        engine.weights_changed()
+    assert engine.generate([_req(ids, 10)])[0].output_ids == want

@@ -14,7 +14,11 @@ about 10 s), cached under ``~/.cache/unsloth_rollout/kernels`` (``UNSLOTH_ROLLOU
 source, the compiler and the CPU, and linked to the OpenMP runtime torch loaded (one thread team, torch's thread
 count). Where it cannot be built (no compiler, no GNU OpenMP in the process) or a shape is outside it (not float32,
 head dimension not one of 16 32 48 64 80 96 128 256, more than 8 query heads per KV head), attention is SDPA's, as
-before: ``available()`` and ``supported()`` say which, ``build_error()`` why not.
+before: ``available()`` and ``supported()`` say which, ``build_error()`` why not. Callers reach it as the torch op
+``unsloth_rollout::decode_attention``, registered in C++ (``csrc/decode_attention_op.cpp``, built against the
+running torch, ~6 s once) so that neither an eager call nor a compiled graph's call passes through Python; where
+that library does not build, the op is a Python custom op over ctypes (same kernel; ``op_registration()`` says
+which).
 
 Arithmetic: the softmax of ``scale * q . k`` over the row's keys, ``exp`` by Cephes' single-precision polynomial (~1
 ulp), sums in a different order than SDPA's: outputs agree with SDPA's within a few float32 ulps
@@ -28,6 +32,7 @@ import ctypes
 import logging
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -44,6 +49,8 @@ _lock = threading.Lock()
 _lib = None
 _error: str | None = None
 _tried = False
+_op = None  # the registered op (C++ or Python), set with _lib
+_op_error: str | None = None  # why the op is the Python one
 
 
 def enabled_by_env() -> bool:
@@ -51,11 +58,30 @@ def enabled_by_env() -> bool:
 
 
 def _load() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library("decode_attention")))
+    global _op, _op_error
+    path = build_library("decode_attention")
+    lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 11 + [ctypes.c_float, ctypes.c_int]
     lib.decode_attention_f32.restype = ctypes.c_int
+    _op, _op_error = _define_op(path)
     return lib
+
+
+def _define_op(kernel: Path):
+    """The op ``unsloth_rollout::decode_attention``: registered in C++ (``csrc/decode_attention_op.cpp``, built
+    against this torch: a call reaches the kernel without a Python frame, ~25-45 us less a call) where that
+    builds, else a Python custom op over ctypes. The same kernel either way: the same results."""
+    try:
+        torch.ops.load_library(str(build_library("decode_attention_op", torch_headers=True, link=(kernel,))))
+        torch.library.register_fake("unsloth_rollout::decode_attention")(_fake)
+        return torch.ops.unsloth_rollout.decode_attention.default, None
+    except Exception as e:  # noqa: BLE001 - no torch headers, a failed build: the Python op, same kernel
+        error = f"{type(e).__name__}: {e}"
+        log.info("decode attention op registered in Python (C++ registration unavailable: %s)", error[:500])
+    op = torch.library.custom_op("unsloth_rollout::decode_attention", mutates_args=())(_run)
+    op.register_fake(_fake)
+    return op, error
 
 
 def _library():
@@ -81,6 +107,14 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the kernel could not be built (None: it was, or was not tried yet)."""
     return _error
+
+
+def op_registration() -> str | None:
+    """How the op ``unsloth_rollout::decode_attention`` is registered once the kernel is loaded: "c++", or
+    "python: <why not C++>" (None: the kernel is not loaded)."""
+    if _op is None:
+        return None
+    return "c++" if _op_error is None else f"python: {_op_error}"
 
 
 def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -109,14 +143,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi
     return out, lse
 
 
-@torch.library.custom_op("unsloth_rollout::decode_attention", mutates_args=())
-def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, lo, hi, scale)
-
-
-@_op.register_fake
-def _(q, k, v, lo, hi, scale):
+def _fake(q, k, v, lo, hi, scale):
     return q.new_empty(q.shape).contiguous(), q.new_empty(q.shape[:3]).contiguous()
 
 
@@ -131,11 +158,13 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      hi: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``query`` ``[B, H, 1, D]`` over ``key`` / ``value`` ``[B, KV, L, D]`` (row i: keys lo[i] .. hi[i] - 1):
     the output ``[B, KV, G, D]`` (query head ``kv * G + g``, as transformers' ``repeat_kv`` maps them) and its
-    log-sum-exp ``[B, KV, G]``. Inside ``torch.compile`` it is the custom op ``unsloth_rollout::decode_attention``."""
+    log-sum-exp ``[B, KV, G]``. It is the op ``unsloth_rollout::decode_attention`` (a compiled graph calls it)."""
+    if _library() is None:
+        raise RuntimeError(f"CPU decode attention kernel unavailable: {_error or 'disabled'}")
     b, h, _, d = query.shape
     kvh = key.shape[1]
     qg = query.reshape(b, kvh, h // kvh, d)
     scale = d ** -0.5 if scale is None else float(scale)
-    if torch.compiler.is_compiling():
-        return _op(qg, key, value, lo, hi, scale)
-    return _run(qg, key, value, lo, hi, scale)
+    if _op_error is not None and not torch.compiler.is_compiling():
+        return _run(qg, key, value, lo, hi, scale)  # the Python op's own body, without its dispatch
+    return _op(qg, key, value, lo, hi, scale)

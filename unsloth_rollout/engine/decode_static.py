@@ -184,23 +184,29 @@ class StaticDecode:
     def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v):
         """The model's own forward, eager outside its decoder layers; each layer runs the compiled region."""
         r = self.runner
+        layers, trust, state = self._layers, self.trust, self._state()
+        # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
+        # (a trace must keep the batch and the context dynamic; a trusted copy already traced never traces)
+        fns, ran, mark = trust.fns(state)
+        if mark:
+            self._mark((input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v))
         kp = k_pos.view(1, -1)
         ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False,
                              lengths=lengths)
         ctx.inner, ctx.kernel = r._inner, r._kernel
         for w in self._windows:  # built once per step, outside the region: every layer reads the same masks
-            if ctx.kernel:  # the CPU kernel reads each row's key range (the masks serve shapes it does not take)
-                for t in ctx.key_range(w):
+            ranges = ctx.key_range(w) if ctx.kernel else ()  # the CPU kernel reads each row's key range
+            masks = (ctx.mask(w), ctx.additive_mask(w, r.policy.dtype))  # (they serve shapes it does not take)
+            if mark:
+                for t in ranges:
                     torch._dynamo.mark_dynamic(t, 0)
-            for m in (ctx.mask(w), ctx.additive_mask(w, r.policy.dtype)):
-                torch._dynamo.mark_dynamic(m, 0)
-                torch._dynamo.mark_dynamic(m, 3)
+                for m in masks:
+                    torch._dynamo.mark_dynamic(m, 0)
+                    torch._dynamo.mark_dynamic(m, 3)
         view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, k_pos.shape[0], ctx)
         rows = view.rows
-        torch._dynamo.mark_dynamic(rows, 0)
-        layers, trust, state = self._layers, self.trust, self._state()
-        # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
-        fns, ran, mark = trust.fns(state)
+        if mark:
+            torch._dynamo.mark_dynamic(rows, 0)
 
         def region(i, layer):
             lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
@@ -210,7 +216,7 @@ class StaticDecode:
                 for k, v in kwargs.items():
                     if v is view:
                         kwargs[k] = lv
-                if mark:  # a trace must keep the batch dynamic (trusted copies already traced never trace)
+                if mark:
                     torch._dynamo.mark_dynamic(hidden_states, 0)
                     for t in kwargs.get("position_embeddings") or ():
                         torch._dynamo.mark_dynamic(t, 0)
@@ -250,7 +256,8 @@ class StaticDecode:
         k_pos = torch.arange(key_len, device=self.device)
         args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
                 kv.k, kv.v, self.ws.k, self.ws.v)
-        self._mark(args)
+        if self.trust is None:  # region "model": one graph (the layer regions mark only when one may trace)
+            self._mark(args)
         return args
 
     def _mark(self, args) -> None:

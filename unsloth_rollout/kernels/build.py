@@ -6,6 +6,8 @@ threads are torch's thread team, not a second one), into ``~/.cache/unsloth_roll
 (``UNSLOTH_ROLLOUT_KERNEL_DIR``), named by a hash of the source, the flags, the compiler's version, the CPU and
 the runtime: a changed source, compiler or machine builds anew, and concurrent builders each write a file of
 their own and rename it into place. The compiler runs with fixed arguments; no request data reaches it.
+A source that registers a torch op (``torch_headers=True``) also includes torch's C++ headers and links its
+libraries; torch's version and location are then part of the key, and so are the libraries it links (``link``).
 """
 
 from __future__ import annotations
@@ -51,8 +53,22 @@ def _cache_dir() -> Path:
     return Path(d) if d else Path.home() / ".cache" / "unsloth_rollout" / "kernels"
 
 
-def build_library(name: str) -> Path:
-    """The path of ``csrc/<name>.cpp`` built as a shared library (built now if this machine has none yet)."""
+def _torch_flags() -> tuple[list[str], str]:
+    """Compiler flags for a source that includes torch's C++ headers and links its libraries, and what in them
+    names the torch it is built against (part of the library's key)."""
+    from torch.utils.cpp_extension import include_paths
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    flags = [*(f"-I{p}" for p in include_paths()), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{lib}",
+             "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+    return flags, f"{torch.__version__} {torch.__file__} {abi}"
+
+
+def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, ...] = ()) -> Path:
+    """The path of ``csrc/<name>.cpp`` built as a shared library (built now if this machine has none yet).
+    ``torch_headers``: the source includes torch's C++ API (a torch op registration), built against this
+    process's torch; ``link``: libraries built here that it calls into (their paths are part of its key)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
@@ -62,15 +78,22 @@ def build_library(name: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = _CSRC / f"{name}.cpp"
     src = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode(),
-                                     platform.machine().encode(), gomp.encode()])).hexdigest()[:16]
+    extra, torch_id = _torch_flags() if torch_headers else ([], "")
+    deps = [str(p) for p in link]
+    for d in deps:
+        extra += [d, f"-Wl,-rpath,{os.path.dirname(d)}"]
+    parts = [src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode(), platform.machine().encode(),
+             gomp.encode()]
+    if torch_id or deps:
+        parts += [torch_id.encode(), " ".join(deps).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            cmd = [cxx, *_FLAGS, str(source), "-o", tmp, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
+            cmd = [cxx, *_FLAGS, str(source), "-o", tmp, *extra, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")

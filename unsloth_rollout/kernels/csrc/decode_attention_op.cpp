@@ -1,0 +1,52 @@
+// The torch op unsloth_rollout::decode_attention over decode_attention.cpp's kernel, registered in C++ so a call
+// (eager, or from an inductor graph's wrapper) reaches the kernel through torch's dispatcher alone: no Python
+// frame per call. Built by unsloth_rollout/kernels/build.py against the running torch's headers and linked to
+// the kernel's own library; engine/cpu_attention.py falls back to a Python custom op over ctypes (the same
+// kernel, the same results) where this does not build. The checks mirror the Python path's.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+extern "C" int decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse,
+                                    const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
+                                    int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
+                                    int64_t vsh, int64_t vsl, float scale, int nthreads);
+
+static std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor &q_, const at::Tensor &k,
+                                                           const at::Tensor &v, const at::Tensor &lo_,
+                                                           const at::Tensor &hi_, double scale) {
+    TORCH_CHECK(q_.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention kernel: q, k, v must be 4-d");
+    TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                "decode attention kernel: float32 only");
+    TORCH_CHECK(q_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && lo_.device().is_cpu()
+                    && hi_.device().is_cpu(), "decode attention kernel: CPU tensors only");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode attention kernel: the head dimension of k and v "
+                "must be contiguous");
+    const at::Tensor q = q_.contiguous();
+    const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3);
+    TORCH_CHECK(k.size(0) >= B && v.size(0) >= B && k.size(1) == KV && v.size(1) == KV && k.size(3) == D
+                    && v.size(3) == D, "decode attention kernel: k and v do not match q [B, KV, G, D]");
+    const at::Tensor lo = lo_.to(at::kLong).contiguous(), hi = hi_.to(at::kLong).contiguous();
+    TORCH_CHECK(lo.numel() >= B && hi.numel() >= B, "decode attention kernel: one key range per row");
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({B, KV, G}, q.options());
+    const int rc = decode_attention_f32(
+        q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(),
+        lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), B, KV, G, D, std::min(k.size(2), v.size(2)), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), static_cast<float>(scale),
+        at::get_num_threads());
+    TORCH_CHECK(rc != 1, "decode attention kernel: unsupported head size or query heads per KV head");
+    TORCH_CHECK(rc != 3, "decode attention kernel: a row's key range is outside the keys");
+    TORCH_CHECK(rc == 0, "decode attention kernel: error ", rc);
+    return {out, lse};
+}
+
+TORCH_LIBRARY_FRAGMENT(unsloth_rollout, m) {
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(unsloth_rollout, CPU, m) { m.impl("decode_attention", &decode_attention); }
