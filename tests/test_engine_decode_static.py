@@ -229,9 +229,9 @@ def test_static_decode_sees_a_hook_registered_after_start(served):
 
 def test_static_decode_sees_a_parameter_given_another_layout(served):
     """A decoder-layer parameter given new data with the same values but transposed strides after start (no
-    ``weights_changed``): the compiled graphs leave out inductor's per-input size asserts, so the trusted step
-    would read it with the old strides; the layers' tensor check (decode_trust.py) makes the next step guarded,
-    and the tokens stay HF generate's. A replaced submodule with other weights is followed too."""
+    ``weights_changed``): the trusted step's graph was compiled for the old layout; its input asserts refuse the
+    new one, the step runs again guarded (decode_trust.py), dynamo retraces, and the tokens stay HF generate's.
+    A replaced submodule with other weights is followed too."""
     policy, engine = served
     st = engine.core.runner.static
     ids = policy.tokenizer.encode("dave paints nine blue boats and")
@@ -242,9 +242,9 @@ def test_static_decode_sees_a_parameter_given_another_layout(served):
     w.data = before.t().contiguous().t()  # same values and shape, column-major
     try:
         assert w.stride() != before.stride() and torch.equal(w, before)
-        guarded = st.trust.guarded_steps
+        guarded, failed = st.trust.guarded_steps, st.trust.failed_trusted
         assert engine.generate([_req(ids, 10)])[0].output_ids == want
-        assert st.trust.guarded_steps > guarded
+        assert st.trust.guarded_steps > guarded and st.trust.failed_trusted == failed + 1
     finally:
         w.data = before
     layer = st._layers[0]

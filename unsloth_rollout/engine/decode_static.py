@@ -43,9 +43,12 @@ import time
 
 import torch
 
+from ..logs import get_logger
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
 from .decode_trust import LayerTrust
 from .kv_cache import CacheView
+
+log = get_logger("unsloth_rollout")
 
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -284,9 +287,22 @@ class StaticDecode:
         try:
             logits = self._call(args)[: len(tokens)]
         except Exception:
-            if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: is it the cache?
-                self._checked(args)  # CacheBypassError names the layer
-            raise
+            if self.trust is None or not self.trust.last_trusted:
+                if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: the cache?
+                    self._checked(args)  # CacheBypassError names the layer
+                raise
+            # A trusted step failed: inductor's input asserts saw a layer tensor of another size or layout (a
+            # parameter given new data, a replaced module, without weights_changed). The step again, guarded:
+            # dynamo's guards see the change and retrace (the K/V it writes are the same, to the same places).
+            log.info("static decode: a trusted step failed; running it guarded", exc_info=True)
+            self.trust.graphs, self.trust.failed_trusted = None, self.trust.failed_trusted + 1
+            before = _graphs()
+            try:
+                logits = self._call(args)[: len(tokens)]
+            except Exception:
+                if _graphs() > before:
+                    self._checked(args)
+                raise
         if self.warm_graphs is not None and _graphs() > before:
             self.recompiles += _graphs() - before
             if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)

@@ -13,21 +13,17 @@ another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations and t
 - a module of a decoder layer got or lost an instance ``forward``, a forward hook or a pre-hook, or a global
   forward hook came or went (checked every step in ~30 us for 36 LoRA layers; the guarded region guards on
   hooks, which dynamo by default does not: ``torch._dynamo.config.skip_nnmodule_hook_guards``);
-- a decoder layer's parameter or buffer, or a submodule holding any, was replaced or removed, or one of its
-  tensors changed dtype, device, size or stride (``param.data = ...``): identity checks and dynamo's C++
-  ``TensorGuards``, ~0.3 ms a step for 36 LoRA layers. This check stands in for inductor's per-input size asserts, which the
-  compiled graphs leave out (~1 ms a step) where ``TensorGuards`` exists;
 - every ``TRUST_STEPS``-th step regardless.
+A trusted step that raises (inductor's input asserts, kept on: a parameter given data of another size or layout, a
+replaced module with other shapes) runs again as a guarded step, which retraces for the change.
 Layers that dynamo compiled apart (a sliding-window layer and a full one) never share a trusted copy, and a
 layer that did not run as exactly one graph (a graph break, an eager fallback) makes every step guarded.
-What trusted steps assume: no other attribute a layer's forward reads (e.g. PEFT's ``scaling``) changes without
-``weights_changed``.
+What trusted steps assume: nothing else about a decoder layer changes without ``weights_changed``.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import types
 
 import torch
@@ -37,11 +33,6 @@ TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing s
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
                          "DETERMINISTIC_ALGORITHMS"})
 _copies = itertools.count()
-
-try:  # dynamo's own C++ tensor check (dtype, device, dispatch keys, sizes, strides), ~0.1 us a tensor
-    from torch._C._dynamo.guards import TensorGuards
-except ImportError:  # pragma: no cover - another torch: inductor's size asserts stay on instead
-    TensorGuards = None
 
 
 def lean_guards(entries) -> list[bool]:
@@ -63,13 +54,9 @@ def tagged_backend(mode):
     if base is None:
         return None
 
-    # The trusted copies check the decoder layers' tensors themselves (LayerTrust._unchanged), so the graph's
-    # own per-input size asserts (~40 a layer call, ~1 ms of a 36-layer step) are off where that check exists.
-    options = {"size_asserts": False} if TensorGuards is not None else None
-
     class TaggedInductor(base):
         def __init__(self):
-            super().__init__(mode, options, None)
+            super().__init__(mode, None, None)
             self.__name__ = "inductor"
             self.count, self.ran = 0, []
 
@@ -115,15 +102,17 @@ class LayerTrust:
         self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
         self.state = None  # what the last guarded step ran under
         self.dicts, self.forwards, self.hooked, self.hooks = [], [], [], None  # what _unchanged compares
-        self.slots, self.names, self.held = [], [], []
-        self.tensors_at, self.pick, self.tensor_guards = [], None, None
         self.since = 0  # trusted steps since the last guarded one
         self.guarded_steps = self.trusted_steps = 0
+        self.last_trusted = False  # whether the step now running is a trusted one
+        self.failed_trusted = 0  # trusted steps that raised and ran again guarded (StaticDecode.run)
 
     def fns(self, state) -> tuple[list, list | None, bool]:
         """(the function per layer, a list the guarded step fills with the graphs each layer ran or None, whether
         a function may trace now: then the step marks its dynamic dimensions)."""
+        self.last_trusted = False
         if self.graphs is not None and state == self.state and self.since < TRUST_STEPS and self._unchanged():
+            self.last_trusted = True
             self.since += 1
             self.trusted_steps += 1
             fresh = any(g not in self.copies for g in self.graphs)
@@ -152,46 +141,11 @@ class LayerTrust:
             self.forwards = _forwards(self.dicts)
             self.hooked = [h for d in self.dicts for h in (d["_forward_hooks"], d["_forward_pre_hooks"]) if h]
             self.hooks = _hooks_now(self.hooked)
-            self._hold()
         else:
             self.graphs, self.state = None, None
 
-    def _hold(self) -> None:
-        """Remember what the layers hold: each parameter and buffer, and each submodule that holds any (by
-        identity, in its parent's dict), and the tensors' dtype, device, sizes and strides (dynamo's C++
-        ``TensorGuards``). A replaced module on the way to a tensor, or a tensor given data of another shape
-        (``param.data = ...``), is seen; an added entry is not read by a traced graph."""
-        self.slots, self.names = [], []
-        for layer in self.layers:
-            for m in layer.modules():
-                d = m.__dict__
-                for name, child in d["_modules"].items():
-                    if child is not None and next(itertools.chain(child.parameters(), child.buffers()), None) is not None:
-                        self.slots.append(d["_modules"])
-                        self.names.append(name)
-                for kind in ("_parameters", "_buffers"):
-                    for name in d[kind]:
-                        self.slots.append(d[kind])
-                        self.names.append(name)
-        self.held = list(map(dict.get, self.slots, self.names))
-        self.tensors_at = [i for i, t in enumerate(self.held) if isinstance(t, torch.Tensor)]
-        at = self.tensors_at  # itemgetter of one index returns the item, not a tuple
-        self.pick = operator.itemgetter(*at) if len(at) > 1 else (lambda seq: tuple(seq[i] for i in at))
-        tensors = list(self.pick(self.held))
-        self.tensor_guards = None
-        if TensorGuards is not None:
-            self.tensor_guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
-
     def _unchanged(self) -> bool:
-        """Nothing a trusted copy cannot see changed: hooks, instance forwards, the submodules / parameters /
-        buffers the layers' tensors are reached through, and those tensors' metadata."""
-        if _hooks_now(self.hooked) != self.hooks or _forwards(self.dicts) != self.forwards:
-            return False
-        now = list(map(dict.get, self.slots, self.names))
-        if not all(map(operator.is_, now, self.held)):  # one replaced or removed
-            return False
-        return self.tensor_guards is None or self.tensor_guards.check(*self.pick(now))
+        return _hooks_now(self.hooked) == self.hooks and _forwards(self.dicts) == self.forwards
 
     def _copy(self, graph: int):
         """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,

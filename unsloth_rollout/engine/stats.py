@@ -5,6 +5,8 @@ Keys as vLLM names the same figures where it has them (``num_running``, ``kv_usa
 
 from __future__ import annotations
 
+from . import cpu_attention
+
 
 def engine_stats(engine) -> dict:
     core, driver = engine.core, engine.driver
@@ -33,11 +35,12 @@ def engine_stats(engine) -> dict:
         prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
         num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
         decode_backend=core.runner.decode_backend, decode_backend_fallback=core.runner.decode_backend_fallback,
-        cpu_attention_kernel=core.runner._kernel,
+        cpu_attention_kernel=core.runner._kernel, cpu_attention_op=cpu_attention.op_registration() if core.runner._kernel else None,
         mm_processor_cache_hits=core.inputs.cache.hits,
         mm_processor_cache_misses=core.inputs.cache.misses, mm_processor_cache_bytes=core.inputs.cache.bytes)
     if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
         s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps,
                  decode_guarded_steps=st.trust.guarded_steps if st.trust is not None else st.steps,
-                 decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0)
+                 decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0,
+                 decode_failed_trusted_steps=st.trust.failed_trusted if st.trust is not None else 0)
     return s
