@@ -27,7 +27,9 @@ from unsloth_rollout.testing.oracles import assert_greedy_matches, perturb_lora,
 def _core(policy, shared: bool, kv_tokens: int | None = None) -> EngineCore:
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     budget = per_token * kv_tokens if kv_tokens else 64 << 20
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16), seed=0)
+    # shared_prefix_min_tokens=32: these prompts are short, and the default under the compiled step is 640
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, shared_prefix_min_tokens=32),
+                      seed=0)
     assert core.runner.workspace.shared_prefix, "qwen2 (full attention, SDPA) is served with shared prefixes"
     core.runner.workspace.shared_prefix = shared
     return core
@@ -305,7 +307,8 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(fami
     perturb_lora(policy.model, std=0.3)
     tok = policy.tokenizer
     text = " ".join(["alice", "counts", "seven", "apples", "in", "paris"] * 10)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8), seed=0)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8, shared_prefix_min_tokens=32),
+                      seed=0)
     ws = core.runner.workspace
     assert ws.shared_prefix == (not _windowed_or_capped(policy.text_config)), family
     greedy = add_sequences(core, [tok.encode(text), tok.encode(text[:40])], [10, 10], n=3, temperature=0.0)
@@ -322,3 +325,31 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(fami
     for s in sampled:
         tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, family
+
+
+def test_the_compiled_step_keeps_short_shared_prompts_in_whole_rows(qwen2_dir):
+    """With the compiled decode step (the CPU default), a step that reads prefix entries runs eager, so only
+    prompts of 640+ shared positions get an entry (``shared_prefix_min_tokens=None``); a group of a short prompt
+    decodes whole rows through the compiled step, a group of a long one reads it once, eager. The eager workspace
+    keeps 32. Tokens equal HF greedy either way."""
+    policy = load_model(qwen2_dir, backend="transformers")
+    tok = policy.tokenizer
+    short = tok.encode(" ".join(["apple", "bob", "count", "dog"] * 20))[:80]
+    long_ = (tok.encode(" ".join(["carol", "eats", "nine", "figs"] * 200)) * 2)[:700]
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16), seed=0)
+    assert core.runner.decode_backend == "static" and core.runner.workspace.min_prefix == 640
+    ws, st = core.runner.workspace, core.runner.static
+    seqs = add_sequences(core, [short], [12], n=4, temperature=0.0)
+    steps, eager = st.steps, st.eager_steps
+    step_until_idle(core, max_steps=500)
+    assert ws.prefix_steps == 0 and st.steps > steps and st.eager_steps == eager  # compiled, whole rows
+    core2 = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16), seed=0)
+    seqs += add_sequences(core2, [long_], [6], n=4, temperature=0.0)
+    step_until_idle(core2, max_steps=500)
+    assert core2.runner.workspace.prefix_steps > 0  # the 700-token prompt is read once per group, eager
+    for s in seqs:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
+                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="qwen2")
+    eager = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode_backend="workspace"), seed=0)
+    assert eager.runner.workspace.min_prefix == 32

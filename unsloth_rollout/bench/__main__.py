@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's KV cache budget in bytes, e.g. 1073741824 or 1GiB")
     p.add_argument("--hf-sequential-max", type=int, default=24,
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
+    p.add_argument("--shared-prefix-min-tokens", type=int, default=None,
+                   help="--workload long: EngineConfig.shared_prefix_min_tokens (default: the engine's, 640 with the "
+                        "compiled step, 32 with eager steps)")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
     p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
     p.add_argument("--repeats", type=int, default=None,
@@ -170,7 +173,8 @@ def _main_long(args) -> int:
         backends = [b.strip() for b in (args.backends or ",".join(LONG_DEFAULTS["backends"])).split(",") if b.strip()]
         report = run_long(model=args.model, batch=args.batch, contexts=contexts, steps=args.steps,
                           backends=backends, lora=args.lora_rank, seed=args.seed, drift_samples=args.drift_samples,
-                          progress=not args.no_progress, group=args.group or 1)
+                          progress=not args.no_progress, group=args.group or 1,
+                          min_prefix=args.shared_prefix_min_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from ..engine.decode_backend import DECODE_BACKENDS
+
 LONG_DEFAULTS = {"batch": 32, "contexts": (256, 2048), "steps": 16, "backends": ("workspace", "gather")}
 GOAL_RATIO = 1.5
 
@@ -61,12 +63,15 @@ class Timed:
         setattr(self.obj, self.name, self.fn)
 
 
-# Decode backends of this workload: the engine's (engine/decode_backend.py), and the workspace with every row
-# holding its whole history (EngineConfig.shared_prefix_decode=False), to compare with ``--group``.
-WHOLE_ROWS = "workspace-whole-rows"
+# Decode backends of this workload: the engine's (engine/decode_backend.py, and "auto", the default), each also
+# with every row holding its whole history (``<backend>-whole-rows``: EngineConfig.shared_prefix_decode=False),
+# to compare with ``--group``.
+WHOLE_ROWS = "-whole-rows"
+BACKENDS = ("auto", *DECODE_BACKENDS)
 
 
-def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int, group: int = 1):
+def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int, group: int = 1,
+          min_prefix: int | None = None):
     """An engine core with ``batch`` random prompts of ``context`` tokens prefilled and joined: distinct, or
     ``batch / group`` prompts sampled ``group`` times each (a GRPO group: the samples share the prompt's KV)."""
     from ..engine.config import EngineConfig, SamplingParams
@@ -78,10 +83,10 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int,
 
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     kv_bytes = int(per_token * batch * (context + steps + 64) * 1.1)
-    whole = backend == WHOLE_ROWS
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend="workspace" if whole
-                                           else backend, max_num_seqs=batch, shared_prefix_decode=not whole),
-                      seed=seed)
+    whole = backend.endswith(WHOLE_ROWS)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=backend.removesuffix(
+        WHOLE_ROWS), max_num_seqs=batch, shared_prefix_decode=not whole, shared_prefix_min_tokens=min_prefix),
+        seed=seed)
     g = torch.Generator().manual_seed(seed)
     vocab = len(policy.tokenizer)
     ids = None
@@ -181,9 +186,8 @@ def logprob_drift(policy, core, k: int) -> float | None:
 
 def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), steps: int = 16,
              backends=("workspace", "gather"), lora: int = 16, seed: int = 0, drift_samples: int = 2,
-             progress: bool = True, group: int = 1) -> dict:
+             progress: bool = True, group: int = 1, min_prefix: int | None = None) -> dict:
     """Run the long-context decode measurement; returns the report dict that ``--json`` writes."""
-    from ..engine.decode_backend import DECODE_BACKENDS
     from ..engine.kv_cache import KVCache
     from ..models.families import text_dims
     from ..models import load_model
@@ -195,10 +199,10 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         raise ValueError(f"--contexts needs two or more distinct positive lengths, got {contexts}")
     if batch < 1 or steps < 2:
         raise ValueError(f"--batch must be >= 1 and --steps >= 2, got --batch {batch}, --steps {steps}")
-    bad = [b for b in backends if b not in (*DECODE_BACKENDS, WHOLE_ROWS)]
+    bad = [b for b in backends if b.removesuffix(WHOLE_ROWS) not in BACKENDS]
     if bad:
-        raise ValueError(f"--backends for --workload long: decode backends {', '.join(DECODE_BACKENDS)} or "
-                         f"{WHOLE_ROWS}; got {bad}")
+        raise ValueError(f"--backends for --workload long: decode backends {', '.join(BACKENDS)}, each also as "
+                         f"<backend>{WHOLE_ROWS}; got {bad}")
     if group < 1 or batch % group:
         raise ValueError(f"--group for --workload long must divide --batch {batch}, got {group}")
     path = model_path(model)
@@ -214,7 +218,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
     for cfg in configs:
         if progress:
             print(f"[long] prefilling {batch} x {cfg[1]} tokens ({cfg[0]}) ...", file=sys.stderr, flush=True)
-        cores[cfg] = setup(policy, cfg[0], cfg[1], batch, steps, seed, group)
+        cores[cfg] = setup(policy, cfg[0], cfg[1], batch, steps, seed, group, min_prefix)
     attended = {cfg: attended_positions(core) for cfg, core in cores.items()}  # what the first timed step reads
     times = {cfg: [] for cfg in configs}
     for _ in range(steps):
@@ -251,8 +255,10 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         "command": (f"python -m unsloth_rollout.bench --workload long --model {model} --batch {batch} "
                     f"--contexts {','.join(map(str, contexts))} --steps {steps} "
                     f"--backends {','.join(backends)} --lora-rank {lora} --seed {seed}"
-                    + (f" --group {group}" if group > 1 else "")),
-        "model": model, "lora_rank": lora, "group": group, "machine": machine_info(policy.device),
+                    + (f" --group {group}" if group > 1 else "")
+                    + (f" --shared-prefix-min-tokens {min_prefix}" if min_prefix is not None else "")),
+        "model": model, "lora_rank": lora, "group": group, "shared_prefix_min_tokens": min_prefix,
+        "machine": machine_info(policy.device),
         "kv_bytes_per_token": per_token, "goal_ratio": GOAL_RATIO, "contexts": contexts,
         "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()), "cpu_pressure_after": cpu_pressure(),
         "rows": rows, "summary": summary,

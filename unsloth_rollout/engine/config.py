@@ -210,6 +210,12 @@ class EngineConfig:
             them once for all of those rows, merging the two attentions exactly by their log-sum-exps
             (``attention.shared_prefix_decode``). Served on CPU for models whose every layer attends with SDPA
             arithmetic over its whole history; elsewhere (and when False) every row holds its whole history.
+            Steps with shared prefixes run eager (the compiled step serves whole rows only).
+        shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32 with the eager
+            workspace; 640 when the compiled "static" step runs, since a step reading shared prefixes runs eager
+            and on the bench's model compiled whole rows are faster up to ~600-token prompts: at 256 tokens 14%,
+            at 512 4%, while at 1024 reading the prompt once per group is 12% faster; benchmarks/cpu/
+            shared-prefix-crossover.md). Shorter shared prompts are held by every row that reads them.
         cpu_attention_kernel: on a CPU device, decode attention (one new token per row over its history) runs on
             the engine's own kernel (engine/cpu_attention.py: each row's keys and values read once, in place, no
             mask; SDPA's arithmetic within float32 rounding), built once per machine with the system C++ compiler
@@ -246,6 +252,7 @@ class EngineConfig:
     decode_backend: str = "auto"
     decode_workspace_bytes: int | None = None
     shared_prefix_decode: bool = True
+    shared_prefix_min_tokens: int | None = None
     cpu_attention_kernel: bool = True
     cpu_retain_freed_memory: bool = True
     max_lora_rank: int = 256
@@ -272,6 +279,9 @@ class EngineConfig:
                "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
         _check(isinstance(self.shared_prefix_decode, bool), "shared_prefix_decode",
                f"must be True or False, got {self.shared_prefix_decode!r}")
+        _check(self.shared_prefix_min_tokens is None or (_is_int(self.shared_prefix_min_tokens)
+                                                          and self.shared_prefix_min_tokens >= 1),
+               "shared_prefix_min_tokens", f"must be an integer >= 1 or None, got {self.shared_prefix_min_tokens!r}")
         _check(isinstance(self.cpu_attention_kernel, bool), "cpu_attention_kernel",
                f"must be True or False, got {self.cpu_attention_kernel!r}")
         _check(isinstance(self.cpu_retain_freed_memory, bool), "cpu_retain_freed_memory",

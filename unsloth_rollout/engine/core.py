@@ -83,7 +83,8 @@ class EngineCore:
         self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
         self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
                                   config.prefill_chunk_tokens, self._vision_ids, config.decode_workspace_bytes,
-                                  config.shared_prefix_decode, config.cpu_attention_kernel)
+                                  config.shared_prefix_decode, config.cpu_attention_kernel,
+                                  config.shared_prefix_min_tokens)
         self.runner.weights_clock = self.weights = WeightsClock()  # the captured step re-checks on a change
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)

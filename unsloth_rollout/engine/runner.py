@@ -27,12 +27,18 @@ from .vision import PromptVision
 
 logger = get_logger("unsloth_rollout")
 
+# Fewest shared positions for a prefix entry (EngineConfig.shared_prefix_min_tokens=None): with eager steps, and
+# with the compiled step, whose steps over prefix entries run eager (crossover measured on the bench's model,
+# benchmarks/cpu/shared-prefix-crossover.md: compiled whole rows faster up to ~600 tokens)
+EAGER_MIN_PREFIX, STATIC_MIN_PREFIX = 32, 640
+
 
 class ModelRunner:
     def __init__(self, policy, kv_cache: KVCache, compile_decode: bool = False, compile_mode: str | None = None,
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
                  vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None,
-                 shared_prefix_decode: bool = True, cpu_attention_kernel: bool = True):
+                 shared_prefix_decode: bool = True, cpu_attention_kernel: bool = True,
+                 shared_prefix_min_tokens: int | None = None):
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -69,12 +75,22 @@ class ModelRunner:
         self._last_ctx = None  # the ForwardContext of the latest eager forward (the probe reads what it saw)
         if self.workspace is not None and shared_prefix_decode:  # static: such steps run eager (decode())
             self.workspace.shared_prefix = self._shared_prefix_servable()
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
+        self._set_min_prefix()
         self.static = None
         self.weights_clock = None  # the engine core's WeightsClock (set by the core; read by the captured step)
         if self.decode_backend == "static":
             from .decode_static import StaticDecode
 
             self.static = StaticDecode(self, compile_mode)
+
+    def _set_min_prefix(self) -> None:
+        """Fewest shared positions worth a prefix entry: the config's, else 32 for eager steps and
+        ``STATIC_MIN_PREFIX`` when the compiled step runs (a step that reads prefix entries runs eager)."""
+        if self.workspace is not None:
+            n = self.shared_prefix_min_tokens
+            self.workspace.min_prefix = n if n is not None else (
+                STATIC_MIN_PREFIX if self.decode_backend == "static" else EAGER_MIN_PREFIX)
 
     def _shared_prefix_servable(self) -> bool:
         """Whether decode may read shared prefixes once per group (attention.shared_prefix_decode): on CPU (the
@@ -331,3 +347,4 @@ class ModelRunner:
                 logger.warning("unsloth_rollout: the static decode step could not be compiled (%s); decoding "
                                "with the eager workspace instead", self.decode_backend_fallback)
                 self.static, self.decode_backend = None, "workspace"
+                self._set_min_prefix()
