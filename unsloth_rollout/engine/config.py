@@ -213,9 +213,9 @@ class EngineConfig:
             Steps with shared prefixes run eager (the compiled step serves whole rows only).
         shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32 with the eager
             workspace; 640 when the compiled "static" step runs, since a step reading shared prefixes runs eager
-            and on the bench's model compiled whole rows are faster up to ~600-token prompts: at 256 tokens 14%,
-            at 512 4%, while at 1024 reading the prompt once per group is 12% faster; benchmarks/cpu/
-            shared-prefix-crossover.md). Shorter shared prompts are held by every row that reads them.
+            and on the bench's model, GRPO groups of 8, compiled whole rows are faster up to ~650-token prompts:
+            12% at 256 tokens, 5% at 512, while reading the prompt once per group is 3% faster at 768 and 11% at
+            1024; benchmarks/cpu/shared-prefix-crossover.md). Shorter shared prompts are held by every row.
         cpu_attention_kernel: on a CPU device, decode attention (one new token per row over its history) runs on
             the engine's own kernel (engine/cpu_attention.py: each row's keys and values read once, in place, no
             mask; SDPA's arithmetic within float32 rounding), built once per machine with the system C++ compiler
