@@ -1,10 +1,9 @@
 """EngineCore: one step of continuous batching — schedule, run, sample, output. No threads.
 
-``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct
-prompt), decodes one token for every running sequence, samples, and hands finished samples to their
-``on_event`` callback. ``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio,
-pause and weight-change bookkeeping on top.
-"""
+``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct prompt),
+decodes one token for every running sequence, samples, and hands finished samples to their ``on_event``
+callback. ``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio, pause and
+weight-change bookkeeping on top."""
 
 from __future__ import annotations
 
