@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from unsloth_rollout.logs import get_logger, keep_across
+from unsloth_rollout.logs import get_logger, keep_across, sync
 from unsloth_rollout.testing.logs import captured
 from unsloth_rollout.testing.imports import PACKAGE_ROOT
 
@@ -32,6 +32,9 @@ def test_a_handler_on_the_package_logger_survives_a_rebuilt_tree():
 
     before, after, later = _Seen(), _Seen(), _Seen()
     tree = logging.Logger.root, logging.Logger.manager
+    # The tree as any project log leaves it: a test module collected before this one may have rebuilt it
+    # (``import areal`` at collection) with no project message since, so "unsloth_rollout" would be a fresh object.
+    sync()
     logging.getLogger("unsloth_rollout").addHandler(before)
     try:
         _rebuild_tree()
