@@ -162,8 +162,8 @@ class EngineBackend(Backend):
         if st.get("decode_backend") == "static":
             notes.append(f"captured decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
                          f"timed), {st.get('decode_recompiles')} recompiles after it, "
-                         f"{st.get('decode_eager_steps')} steps run eager (rows of one GRPO group read their "
-                         f"shared prompt once, eager), "
+                         f"{st.get('decode_eager_steps')} steps run eager (steps reading a GRPO group's shared "
+                         f"prompt once, from {st.get('decode_prefix_min_tokens')} shared tokens, are eager), "
                          f"{st.get('decode_trusted_steps', 0) + st.get('decode_guarded_steps', 0)} captured")
         elif st.get("decode_backend_fallback"):
             notes.append(f"decode_backend='auto' fell back to the eager workspace: {st['decode_backend_fallback']}")

@@ -27,6 +27,7 @@ def engine_stats(engine) -> dict:
         decode_workspace_budget_bytes=ws.budget_bytes if ws is not None else 0,
         decode_workspace_fallbacks=ws.fallbacks if ws is not None else 0,
         decode_shared_prefix=bool(ws is not None and ws.shared_prefix),
+        decode_prefix_min_tokens=ws.min_prefix if ws is not None else None,
         decode_prefix_entries=len(ws.pkeys) if ws is not None else 0,
         decode_prefix_bytes=ws.prefix_bytes if ws is not None else 0,
         decode_prefix_steps=ws.prefix_steps if ws is not None else 0,
