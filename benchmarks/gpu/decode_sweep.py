@@ -10,7 +10,12 @@ prefill, so the difference in wall time is the time of ``B x --decode`` decode t
                     + the KV history each sequence attends to (mean context over the timed steps)
     bandwidth     = bytes / step / step time, also as % of the nominal 4.3 TB/s and of a measured copy
 
-    python benchmarks/gpu/decode_sweep.py --model DIR [--batches 1,64,256] [--load-in-4bit] [--json OUT]
+    python benchmarks/gpu/decode_sweep.py --model DIR [--batches 1,64,256] [--load-in-4bit]
+        [--decode-backend auto|workspace|static|gather] [--json OUT]
+
+``--decode-backend`` is ``EngineConfig.decode_backend`` (default "auto": on CUDA the eager workspace step;
+"static": the captured step, compiled at engine start). The JSON records the backend that ran, its warm-up and
+its recompiles, so the eager and captured sweeps of one model compare side by side.
 
 The model is loaded as the bench loads it (LoRA r=16 on vision and language layers, random non-zero B).
 Runs on CPU too (slowly; use a tiny model and small batches there).
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--load-in-4bit", action="store_true")
     ap.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=16 << 30, help="e.g. 16GiB")
+    ap.add_argument("--decode-backend", default="auto", choices=["auto", "workspace", "static", "gather"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -84,13 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     wbytes, _, _ = text_weights(policy)
     kv_tok = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 30) if device.type == "cuda" else copy_bandwidth_gbs(device)
+    t0 = time.perf_counter()
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                                max_num_seqs=max(batches)))
+                                                max_num_seqs=max(batches), decode_backend=args.decode_backend))
+    start_s = time.perf_counter() - t0
+    st = engine.stats()
     report = {"model": args.model, "dtype": str(policy.dtype).replace("torch.", ""), "load_in_4bit": args.load_in_4bit,
               "lora_rank": args.lora_rank, "machine": machine_info(device), "weight_bytes_per_step": wbytes,
               "kv_bytes_per_token": kv_tok, "copy_bandwidth_gbs": copy_gbs,
               "nominal_bandwidth_gbs": NOMINAL_HBM_BYTES_PER_S / 1e9, "prompt_len": args.prompt_len,
-              "decode_steps_timed": args.decode, "results": []}
+              "decode_steps_timed": args.decode, "decode_backend_requested": args.decode_backend,
+              "decode_backend": st.get("decode_backend"), "engine_start_s": start_s,
+              "decode_warmup_s": st.get("decode_warmup_s"), "results": []}
     try:
         timed_generate(engine, requests(policy, min(batches), args.prompt_len, 4, seed=99))  # warm-up
         for b in batches:
@@ -112,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['achieved_gbs']:8.1f} GB/s = {row['pct_of_nominal']:5.1f}% of 4.3 TB/s"
                   + (f"  peak {row['peak_memory_bytes'] / 2**30:.1f} GiB" if row["peak_memory_bytes"] else ""),
                   flush=True)
+        st = engine.stats()
+        report.update(decode_recompiles=st.get("decode_recompiles"), decode_eager_steps=st.get("decode_eager_steps"),
+                      decode_backend_fallback=st.get("decode_backend_fallback"))
     finally:
         engine.shutdown()
         if args.json:

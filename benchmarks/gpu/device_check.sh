@@ -11,6 +11,8 @@
 #          GRPO 64 prompts x 8 samples, one image each: engine vs hf-batched; decode tok/s at batch 1/64/256
 #   4bit   the same model with bitsandbytes NF4 base weights (needs the bitsandbytes wheel in wheels/)
 #   text   random-weight Qwen2.5-3B text model: engine vs hf-batched vs transformers continuous batching
+#   captured  the bf16 model's decode sweep twice: the eager workspace step, then the captured step
+#          (decode_backend="static": compiled at engine start; warm-up and recompiles recorded)
 #
 # --dry-run prints the commands a variant would run and the size of what the call carries (the working
 # tree plus wheels/), against the 64 MiB a call may carry; it runs nothing else and needs no GPU.
@@ -55,12 +57,12 @@ for a in "$@"; do
       mkdir -p "$WHEELS"
       "${PIP_DOWNLOAD[@]}" "${WHEEL_SPECS[@]}"
       ls -l "$WHEELS"; exit 0 ;;
-    probe|bf16|4bit|text) VARIANTS+=("$a") ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $a (variants: probe bf16 4bit text; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
+    probe|bf16|4bit|text|captured) VARIANTS+=("$a") ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
   esac
 done
-[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text" >&2; exit 2; }
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured" >&2; exit 2; }
 
 # step NAME SECONDS CMD...: run CMD under a time limit, its output appended to $OUT/VARIANT.log; a failure is recorded
 # and the next step still runs (each step's figures are worth keeping on their own).
@@ -151,6 +153,15 @@ for v in "${VARIANTS[@]}"; do
       bench bench_vl_${SIZE}_4bit "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16 --load-in-4bit
       step decode_vl_${SIZE}_4bit 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
         --load-in-4bit --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --json "$OUT/decode_vl_${SIZE}_4bit.json"
+      ;;
+    captured)
+      [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
+      build_model qwen2_5_vl
+      for DB in workspace static; do
+        step decode_vl_${SIZE}_bf16_$DB 180 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
+          --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend $DB \
+          --json "$OUT/decode_vl_${SIZE}_bf16_$DB.json"
+      done
       ;;
     text)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
