@@ -283,26 +283,21 @@ class StaticDecode:
         if ws.lengths != list(lengths) or ws.rows != len(tokens):
             raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
         args = self._inputs(tokens, lengths, deltas, block_tables)
-        before = _graphs()
-        try:
-            logits = self._call(args)[: len(tokens)]
-        except Exception:
-            if self.trust is None or not self.trust.last_trusted:
-                if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: the cache?
-                    self._checked(args)  # CacheBypassError names the layer
-                raise
+        for attempt in (1, 2):
+            before = _graphs()
+            try:
+                logits = self._call(args)[: len(tokens)]
+                break
+            except Exception:
+                if attempt == 2 or self.trust is None or not self.trust.last_trusted:
+                    if self.warm_graphs is not None and _graphs() > before:  # a graph traced now failed: the cache?
+                        self._checked(args)  # CacheBypassError names the layer
+                    raise
             # A trusted step failed: inductor's input asserts saw a layer tensor of another size or layout (a
             # parameter given new data, a replaced module, without weights_changed). The step again, guarded:
             # dynamo's guards see the change and retrace (the K/V it writes are the same, to the same places).
             log.info("static decode: a trusted step failed; running it guarded", exc_info=True)
             self.trust.graphs, self.trust.failed_trusted = None, self.trust.failed_trusted + 1
-            before = _graphs()
-            try:
-                logits = self._call(args)[: len(tokens)]
-            except Exception:
-                if _graphs() > before:
-                    self._checked(args)
-                raise
         if self.warm_graphs is not None and _graphs() > before:
             self.recompiles += _graphs() - before
             if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)

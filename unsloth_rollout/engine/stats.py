@@ -36,7 +36,8 @@ def engine_stats(engine) -> dict:
         prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
         num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
         decode_backend=core.runner.decode_backend, decode_backend_fallback=core.runner.decode_backend_fallback,
-        cpu_attention_kernel=core.runner._kernel, cpu_attention_op=cpu_attention.op_registration() if core.runner._kernel else None,
+        cpu_attention_kernel=core.runner._kernel,
+        cpu_attention_op=cpu_attention.op_registration() if core.runner._kernel else None,
         mm_processor_cache_hits=core.inputs.cache.hits,
         mm_processor_cache_misses=core.inputs.cache.misses, mm_processor_cache_bytes=core.inputs.cache.bytes)
     if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
