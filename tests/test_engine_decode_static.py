@@ -266,3 +266,51 @@ def test_static_decode_sees_a_parameter_given_another_layout(served):
         layer.post_attention_layernorm = norm
         engine.weights_changed()
     assert engine.generate([_req(ids, 10)])[0].output_ids == want
+
+
+def test_engine_follows_peft_switches_without_weights_changed(served):
+    """PEFT's own switches change what the model computes without touching a weight, and callers do not pair
+    them with ``weights_changed``: ``with model.disable_adapter():``, ``set_scale``, ``merge_adapter`` /
+    ``unmerge_adapter``. The engine serves the model as it is at each step (HF generate under the same switch):
+    a prompt cached under LoRA is not reused with the adapter off, a trusted compiled step traced with LoRA on
+    does not run with it off (before the fix: the prefill ran the base model, the decode steps the LoRA one), and
+    once the switch is back the trusted steps resume."""
+    from unsloth_rollout.models.adapters import tuner_layers
+
+    policy, engine = served
+    st, model = engine.core.runner.static, policy.model
+    ids = policy.tokenizer.encode("erin stacks eleven red cups and")
+    fresh = policy.tokenizer.encode("frank hums twelve quiet songs while")
+    lora = _greedy(policy, ids, 10)
+    assert engine.generate([_req(ids, 10)])[0].output_ids == lora  # cached (prefix) and traced under LoRA
+    switches = engine.stats()["adapter_switch_changes"]
+    with model.disable_adapter():
+        base, base_fresh = _greedy(policy, ids, 10), _greedy(policy, fresh, 10)
+        assert base != lora, "the adapter was meant to change the greedy tokens"
+        guarded = st.trust.guarded_steps
+        assert engine.generate([_req(ids, 10)])[0].output_ids == base
+        assert engine.generate([_req(fresh, 10)])[0].output_ids == base_fresh
+        assert st.trust.guarded_steps > guarded
+    assert engine.generate([_req(ids, 10)])[0].output_ids == lora
+    trusted, guarded = st.trust.trusted_steps, st.trust.guarded_steps
+    assert engine.generate([_req(ids, 10)])[0].output_ids == lora
+    assert st.trust.trusted_steps > trusted and st.trust.guarded_steps == guarded  # trusted again
+    layers = [(m, m.scaling["default"]) for m in tuner_layers(model) if "default" in getattr(m, "scaling", {})]
+    for m, _ in layers:
+        m.set_scale("default", 4.0)  # scaling = 4 * alpha / r, in place in each layer's dict
+    try:
+        scaled = _greedy(policy, ids, 10)
+        assert scaled != lora
+        assert engine.generate([_req(ids, 10)])[0].output_ids == scaled
+    finally:
+        for m, s in layers:
+            m.scaling["default"] = s
+    assert engine.generate([_req(ids, 10)])[0].output_ids == lora
+    model.merge_adapter()
+    try:  # LoRA folded into the base weights: applying it again on top would be wrong
+        merged = _greedy(policy, ids, 10)
+        assert engine.generate([_req(ids, 10)])[0].output_ids == merged
+    finally:
+        model.unmerge_adapter()
+    assert engine.generate([_req(ids, 10)])[0].output_ids == _greedy(policy, ids, 10)
+    assert engine.stats()["adapter_switch_changes"] == switches + 6  # each switch on and each off

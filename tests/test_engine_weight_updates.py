@@ -288,3 +288,35 @@ def test_server_sleep_and_wake_up_keep_a_pause(qwen2_dir):
         assert c.get("/is_paused").json() == {"is_paused": False}
         r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("backend", ["workspace", "static"])
+def test_disable_adapter_mid_generation_without_weights_changed(policy, backend):
+    """A caller pauses the engine mid-generation and enters ``with model.disable_adapter():`` without
+    ``weights_changed`` (PEFT's switch, not a weight): the tokens after the switch are HF greedy of the base model
+    from prompt + the tokens before it (the in-flight KV was computed with the adapter on, so it is recomputed),
+    and a prompt cached under the adapter is not reused without it."""
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, decode_backend=backend))
+    ids = policy.tokenizer.encode(GREEDY)
+    lora = hf_greedy(policy, ids, 24)
+    try:
+        fut = engine.submit(GenerationRequest(input_ids=ids, sampling=SamplingParams(
+            max_new_tokens=24, temperature=0, ignore_eos=True)))
+        wait_for(lambda: engine.stats()["decode_tokens"] >= 6)
+        engine.pause("keep")
+        with policy.model.disable_adapter():
+            k = engine.stats()["decode_tokens"] + 1  # tokens so far (the prefill's first one included)
+            engine.resume()
+            out = fut.result(timeout=120)[0].output_ids
+            assert out[:k] == lora[:k]
+            want = hf_greedy(policy, ids + out[:k], 24 - k)  # HF stops at EOS, the engine ignores it
+            assert want and out[k:k + len(want)] == want
+            base = hf_greedy(policy, ids, 24)
+            assert base != lora, "the adapter was meant to change the greedy tokens"
+            again = engine.generate([GenerationRequest(input_ids=ids, sampling=SamplingParams(
+                max_new_tokens=24, temperature=0, ignore_eos=True))])[0].output_ids
+            assert again[:len(base)] == base
+        stats = engine.stats()
+        assert stats["adapter_switch_changes"] == 1 and stats["weight_recomputes"] >= 1
+    finally:
+        engine.shutdown()

@@ -1,9 +1,8 @@
-"""EngineCore: one step of continuous batching — schedule, run, sample, output. No threads.
+"""EngineCore: one step of continuous batching: schedule, run, sample, output. No threads.
 
-``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct prompt),
-decodes one token for every running sequence, samples, and hands finished samples to their ``on_event``
-callback. ``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio, pause and
-weight-change bookkeeping on top."""
+``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct prompt), decodes
+one token for every running sequence, samples, and hands finished samples to their ``on_event`` callback.
+``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio, pause and weight-change bookkeeping."""
 
 from __future__ import annotations
 
@@ -109,6 +108,7 @@ class EngineCore:
         policy = self.policy
         # The mode switch walks every module: only when a trainer left the policy in training mode.
         with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
+            self.weights.watch(policy.model)  # PEFT's switches (disable_adapter, ...) moved: a weight change
             version, stamp_of, changes = self.weights.state()
             self.apply_weight_changes(stamp_of, changes)
             plan = self._schedule()

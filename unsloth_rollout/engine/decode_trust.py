@@ -18,7 +18,10 @@ A trusted step that raises (inductor's input asserts, kept on: a parameter given
 replaced module with other shapes) runs again as a guarded step, which retraces for the change.
 Layers that dynamo compiled apart (a sliding-window layer and a full one) never share a trusted copy, and a
 layer that did not run as exactly one graph (a graph break, an eager fallback) makes every step guarded.
-What trusted steps assume: nothing else about a decoder layer changes without ``weights_changed``.
+A trusted copy whose own trace differs from the graph it copies (a value the guarded graph takes as an input,
+baked in by the copy) is never used (``_copy``). PEFT's switches (``disable_adapter`` and the like) bump the
+engine's clock by themselves (``WeightsClock.watch``). What trusted steps assume: nothing else about a decoder
+layer changes without ``weights_changed``.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ def tagged_backend(mode):
         def __init__(self):
             super().__init__(mode, None, None)
             self.__name__ = "inductor"
-            self.count, self.ran = 0, []
+            self.count, self.ran, self.codes = 0, [], []
 
         def __call__(self, gm, example_inputs):
             fn, gid = super().__call__(gm, example_inputs), self.count
             self.count += 1
+            self.codes.append(gm.code)  # what LayerTrust compares a trusted copy's trace with
 
             def run(*args):
                 self.ran.append(gid)
@@ -106,12 +110,14 @@ class LayerTrust:
         self.guarded_steps = self.trusted_steps = 0
         self.last_trusted = False  # whether the step now running is a trusted one
         self.failed_trusted = 0  # trusted steps that raised and ran again guarded (StaticDecode.run)
+        self.untrusted: set[int] = set()  # graphs whose trusted copy traced to another graph (_copy)
 
     def fns(self, state) -> tuple[list, list | None, bool]:
         """(the function per layer, a list the guarded step fills with the graphs each layer ran or None, whether
         a function may trace now: then the step marks its dynamic dimensions)."""
         self.last_trusted = False
-        if self.graphs is not None and state == self.state and self.since < TRUST_STEPS and self._unchanged():
+        if (self.graphs is not None and state == self.state and self.since < TRUST_STEPS and self._unchanged()
+                and self.untrusted.isdisjoint(self.graphs)):
             self.last_trusted = True
             self.since += 1
             self.trusted_steps += 1
@@ -149,9 +155,25 @@ class LayerTrust:
 
     def _copy(self, graph: int):
         """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,
-        so inductor's cache serves it), then called with only ``LEAN_GUARDS`` checked."""
+        so inductor's cache serves it), then called with only ``LEAN_GUARDS`` checked.
+
+        A copy traces afresh, under the values of its first call, and may specialize what the guarded graph
+        took as an input: after a value changed once, dynamo recompiles the guarded region with it dynamic (e.g.
+        a LoRA layer's float ``scaling`` after ``set_scale``), while the copy would bake in the value it first
+        saw and, guards skipped, keep it. So the copy's trace is compared with the graph's; where they differ
+        the graph is never trusted (its steps stay guarded; this step's copy ran the values it traced)."""
         fn = self.copies.get(graph)
         if fn is None:
-            fn = self.copies[graph] = torch.compile(region_copy(self.fn, f"trusted{graph}"), backend=self.backend,
-                                                    dynamic=None, options={"guard_filter_fn": lean_guards})
+            compiled = torch.compile(region_copy(self.fn, f"trusted{graph}"), backend=self.backend, dynamic=None,
+                                     options={"guard_filter_fn": lean_guards})
+            codes = self.backend.codes
+
+            def first(*args, **kwargs):
+                n = len(codes)
+                out = compiled(*args, **kwargs)
+                if any(c != codes[graph] for c in codes[n:]):
+                    self.untrusted.add(graph)
+                self.copies[graph] = compiled
+                return out
+            fn = self.copies[graph] = first
         return fn

@@ -35,6 +35,7 @@ def engine_stats(engine) -> dict:
         prefix_cache_entries=len(sch.prefix), prefix_cache_hits=sch.prefix.hits,
         prefix_cache_extensions=sch.prefix.extensions, prefix_cache_reused_tokens=sch.prefix.reused_tokens,
         num_preemptions=sch.num_preemptions, max_model_len=engine.max_model_len,
+        adapter_switch_changes=core.weights.switch_changes,
         decode_backend=core.runner.decode_backend, decode_backend_fallback=core.runner.decode_backend_fallback,
         cpu_attention_kernel=core.runner._kernel,
         cpu_attention_op=cpu_attention.op_registration() if core.runner._kernel else None,

@@ -5,11 +5,25 @@ weights, checkpoints; an optimizer step changes them too) followed by ``RolloutE
 bumps the ``WeightsClock`` here. At the next step boundary ``WeightsClock.apply`` drops prefix entries computed by
 other weights and sends every sequence whose KV they computed back to be recomputed (the preemption path), so each
 token stamped v is sampled from and scored by weights v. Find every change with ``grep -rn "weights_changed("``.
+
+PEFT's own switches change what the model computes without touching a weight: ``with model.disable_adapter():``,
+``set_adapter`` on layers, ``merge_adapter`` / ``unmerge_adapter``, ``set_scale`` / ``scale_layer``. They set
+attributes of each LoRA layer, which a caller rarely pairs with ``weights_changed``, so ``WeightsClock.watch``
+reads those attributes at every step start (~20 us for 250 LoRA layers) and treats a change as a weight change:
+the engine then serves the model as it is, as HF ``generate`` would, never KV or a compiled step of the old state.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import threading
+
+from ..logs import get_logger
+
+log = get_logger("unsloth_rollout")
+# Per LoRA layer (PEFT's BaseTunerLayer), the attributes that choose what its forward computes.
+SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling")
 
 
 class WeightsClock:
@@ -24,6 +38,9 @@ class WeightsClock:
         self._adapters: dict[str, int] = {}
         self._changes = 0  # bumps so far: a step only looks for stale KV when this moved
         self._changes_applied = 0  # bumps whose stale KV ``apply`` has already dealt with (engine thread only)
+        self._layers = None  # (model, the __dict__ of each of its LoRA layers, bumps when listed): ``watch``
+        self._switches = None  # what those layers' SWITCHES were at the last step start
+        self.switch_changes = 0  # changes of the switches that ``watch`` turned into a weight change
 
     def bump(self, version: int | None, lora_name: str | None) -> None:
         with self._lock:
@@ -34,6 +51,32 @@ class WeightsClock:
                 self._adapters[lora_name] = self._adapters.get(lora_name, 0) + 1
             if version is not None:
                 self.version = int(version)
+
+    def watch(self, model) -> bool:
+        """At a step start (engine thread): bump the clock when a LoRA layer's switches (``SWITCHES``) differ from
+        the last step's without a bump since; True when it did. The layers are listed again after every bump
+        (an adapter load may add LoRA layers), and the switches then read as they are."""
+        changes = self._changes
+        if self._layers is None or self._layers[0] is not model or self._layers[2] != changes:
+            from ..models.adapters import tuner_layers  # models.adapters imports engine.config
+
+            self._layers = (model, [m.__dict__ for m in tuner_layers(model)], changes)
+            self._switches = None
+        dicts = self._layers[1]
+        if not dicts:
+            return False
+        now = [list(map(dict.get, dicts, itertools.repeat(a))) for a in SWITCHES]  # compared by value, in C
+        if self._switches is None or now == self._switches:
+            if self._switches is None:
+                self._switches = copy.deepcopy(now)  # a list or a dict may change in place
+            return False
+        self._switches = copy.deepcopy(now)
+        self.switch_changes += 1
+        log.info("the policy's LoRA switches changed (disable_adapter, set_adapter, merge_adapter or set_scale): "
+                 "a weight change; cached KV of the old state is not used again")
+        self.bump(None, None)
+        self._layers = (model, dicts, self._changes)
+        return True
 
     @property
     def changes(self) -> int:
