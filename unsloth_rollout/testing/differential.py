@@ -6,7 +6,9 @@ draws one combination: a family (text or VLM), the policy's LoRA or none, rows w
 on the vision tower too; ``a2``: language layers only), 0-2 images of varied sizes, prompt lengths around
 ``prefill_chunk_tokens`` and the sliding windows, n > 1, per-row sampling parameters, two arrival waves, and events
 between the waves (weight change, adapter unload + reload, preemption of everything, abort, pause, an injected
-forward failure) plus a KV budget small enough to preempt. ``run_mix(mix)`` returns what failed:
+forward failure, a trainer's reference forward under ``disable_adapter()``), a KV budget small enough to preempt,
+and the decode backend (the eager workspace, the gather path, or the default "auto": the compiled step on CPU).
+``run_mix(mix)`` returns what failed:
 
 - greedy rows equal HF ``generate()`` on the reference model, one prompt at a time, with the row's adapter (and
   the engine's suppressed vision tokens as ``suppress_tokens``);
@@ -35,7 +37,7 @@ from .differential_checks import TOL, check_rows, make_images, processor_inputs 
 # Defects filed and being fixed; the lead deletes an entry once its fix is merged (draws then run again).
 KNOWN = {
 }
-EVENTS = ("weight_change", "unload_reload", "offload", "abort", "pause", "fail")
+EVENTS = ("weight_change", "unload_reload", "offload", "abort", "pause", "fail", "reference_forward")
 WORDS = ("the quick brown fox jumps over a lazy dog while Alice and Bob count 12 + 7 = 19 apples in Paris "
          "and Tokyo before the rain starts").split()
 IMAGE_SIZES = [(28, 28), (32, 48), (64, 40), (56, 56), (90, 40), (30, 70), (48, 96)]
@@ -69,7 +71,7 @@ class Mix:
     rows: list
     events: list
     early: bool = False  # fire the events right after the first wave is submitted (still queued), not mid-decode
-    backend: str = "workspace"  # EngineConfig.decode_backend
+    backend: str = "workspace"  # EngineConfig.decode_backend ("auto", the default: the compiled step on CPU)
     max_num_seqs: int = 256
 
 
@@ -113,7 +115,7 @@ def draw_mix(seed: int, families=None) -> Mix:
     if "unload_reload" in events and all(r.adapter is None for r in rows):
         events.remove("unload_reload")
     return Mix(seed, family, policy_lora, chunk, rng.choice([4, 8, 16]), rng.random() < 0.3, rows, events,
-               early=rng.random() < 0.3, backend=rng.choice(["workspace", "gather"]),
+               early=rng.random() < 0.3, backend=rng.choice(["workspace", "gather", "auto"]),
                max_num_seqs=rng.choice([256, 256, 2]))
 
 
@@ -251,6 +253,15 @@ def run_mix(mix: Mix, timeout: float = 120.0) -> list[tuple[str, str]]:
                 engine.resume(holder="difftest")
             elif ev == "fail":
                 probe.fail_next = True
+            elif ev == "reference_forward" and hasattr(fm.policy.model, "disable_adapter"):
+                # a trainer's reference pass (AReaL's reference engine, TRL's beta > 0): the adapter off for one
+                # forward under the policy's lock, then back; the engine must see nothing of it
+                engine.pause(holder="difftest")
+                seen, probe.fail_next = (probe.longest, probe.fail_next), False  # not an engine forward
+                with fm.policy.lock, fm.policy.model.disable_adapter(), torch.no_grad():
+                    fm.policy.model(**fm.probe_inputs())
+                probe.longest, probe.fail_next = seen
+                engine.resume(holder="difftest")
         futs.update({i: engine.submit(reqs[i]) for i, r in enumerate(mix.rows) if r.wave == 1})
         outs = {i: f.result(timeout=timeout) for i, f in futs.items()}
         probe.remove()
