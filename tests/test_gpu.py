@@ -62,8 +62,8 @@ def load(path, dtype, device="cuda", load_in_4bit=False, lora_seed=0, std=0.2):
     return policy
 
 
-def run_engine(policy, reqs):
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20), seed=0)
+def run_engine(policy, reqs, decode_backend="auto"):
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, decode_backend=decode_backend), seed=0)
     try:
         engine.pause()  # admit everything in one step: the batch composition is fixed, not timing-dependent
         futs = [engine.submit(r) for r in reqs]
@@ -80,10 +80,11 @@ def forward_logprobs(policy, engine, req, out):
                                    prompt.image_grid_thw)
 
 
-def check_fp32_parity(path, device="cuda"):
+def check_fp32_parity(path, device="cuda", decode_backend="auto"):
     policy = load(path, torch.float32, device)
     reqs = make_requests(policy, 6, MAX_NEW)
-    engine, outs = run_engine(policy, reqs)
+    engine, outs = run_engine(policy, reqs, decode_backend)
+    assert engine.stats()["decode_backend"] == (decode_backend if decode_backend != "auto" else "workspace")
     worst = 0.0
     for req, out in zip(reqs, outs):
         assert out.output_ids == hf_greedy(policy, engine, req, MAX_NEW)[1], f"request {req.request_id}"
@@ -93,12 +94,12 @@ def check_fp32_parity(path, device="cuda"):
     return worst
 
 
-def check_bf16_tolerance(path, device="cuda"):
-    policy = load(path, torch.bfloat16, device)
+def check_bf16_tolerance(path, device="cuda", decode_backend="auto", policy=None):
+    policy = policy if policy is not None else load(path, torch.bfloat16, device)
     reqs = make_requests(policy, 6, MAX_NEW)
     for r in reqs[3:]:  # half greedy, half sampled
         r.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=7)
-    engine, outs = run_engine(policy, reqs)
+    engine, outs = run_engine(policy, reqs, decode_backend)
     diffs, refs = [], []
     for req, out in zip(reqs, outs):
         ref, logits = forward_logprobs(policy, engine, req, out)
@@ -135,14 +136,17 @@ def check_nf4(path, device="cuda"):
     return worst
 
 
+# "auto" is the eager workspace step on CUDA; "static" the captured one (compiled at engine start).
+@pytest.mark.parametrize("decode_backend", ["auto", "static"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
-def test_fp32_greedy_and_logprob_parity_on_gpu(model_dirs, arch):
-    check_fp32_parity(model_dirs[arch])
+def test_fp32_greedy_and_logprob_parity_on_gpu(model_dirs, arch, decode_backend):
+    check_fp32_parity(model_dirs[arch], decode_backend=decode_backend)
 
 
+@pytest.mark.parametrize("decode_backend", ["auto", "static"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
-def test_bf16_logprobs_within_tolerance_on_gpu(model_dirs, arch):
-    check_bf16_tolerance(model_dirs[arch])
+def test_bf16_logprobs_within_tolerance_on_gpu(model_dirs, arch, decode_backend):
+    check_bf16_tolerance(model_dirs[arch], decode_backend=decode_backend)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes (4-bit weights)")

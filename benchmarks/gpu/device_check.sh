@@ -2,7 +2,7 @@
 # GPU figures for unsloth_rollout on one machine with one CUDA GPU and no network.
 #
 #   bash benchmarks/gpu/device_check.sh [--dry-run] VARIANT [VARIANT ...]
-#   bash benchmarks/gpu/device_check.sh --fetch-wheels      (on a machine with PyPI: fill benchmarks/gpu/wheels/)
+#   bash benchmarks/gpu/device_check.sh --fetch-wheels      (on a machine with PyPI: builds benchmarks/gpu/wheels/site.tgz)
 #
 # Variants (each one command; its steps' time limits add up to 510 s at most, so a call allowed 560 s returns
 # what was measured even when a step hangs):
@@ -13,6 +13,12 @@
 #   text   random-weight Qwen2.5-3B text model: engine vs hf-batched vs transformers continuous batching
 #   captured  the bf16 model's decode sweep twice: the eager workspace step, then the captured step
 #          (decode_backend="static": compiled at engine start; warm-up and recompiles recorded)
+#   unsloth  unsloth_check.py: Unsloth's FastLanguageModel fast path refused by name (or served exactly), auto
+#          loading transformers there, FastVisionModel served within bounds (needs site.tgz)
+#   all    everything the decode issue asks for in one call under 590 s: the model build in the background while
+#          tests/test_gpu.py and unsloth_check.py share the GPU (correctness only), then alone on the GPU the 3B
+#          VL decode sweep (eager workspace, captured static, HF generate() at batch 1 and 64), then the NF4
+#          eager sweep if time is left
 #
 # --dry-run prints the commands a variant would run and the size of what the call carries (the working
 # tree plus wheels/), against the 64 MiB a call may carry; it runs nothing else and needs no GPU.
@@ -35,13 +41,24 @@ SIZE=${SIZE:-3b}          # model dimensions (unsloth_rollout.testing.tiny sizes
 PROMPTS=${PROMPTS:-64}    # GRPO prompts (x 8 samples each)
 MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
+HF_BATCHES=${HF_BATCHES:-1,64}  # HF generate() beside the engine in the `all` sweep
 KV=${KV:-16GiB}           # engine KV cache budget
 CARRY_LIMIT=$((64 << 20))
 # Wheels the device lacks (it has torch, transformers, peft, accelerate, triton, torchvision, pillow, pytest).
 # bitsandbytes: 4-bit weights (43 MB; one CUDA library in it is used). xformers: paged decode fallback (3 MB).
-WHEEL_SPECS=("bitsandbytes==0.50.2" "xformers==0.0.35")
-PIP_DOWNLOAD=(pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64
-              --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --only-binary=:all: -d "$WHEELS")
+# They travel as one archive, wheels/site.tgz (~20 MB), unpacked on the device into three folders that each step
+# puts on PYTHONPATH as it needs: bnb/ (bitsandbytes, with only its CUDA 13.0 library), xf/ (xformers, the paged
+# decode probe) and unsloth/ (unsloth 2026.10.9 without its "studio" web app, unsloth_zoo and what they import
+# that the device lacks; the versions verified together on CPU in scripts/install.sh). Kept apart because with
+# unsloth importable load_model(backend="auto") would load VLMs through Unsloth.
+WHEEL_SPECS=("bitsandbytes==0.50.2" "xformers==0.0.35" "unsloth==2026.10.9" "unsloth_zoo==2026.10.9" "trl==1.16.0"
+  "datasets==4.8.5" "dill==0.4.1" "multiprocess==0.70.19" "tyro==1.0.17" "docstring_parser==0.18.0"
+  "typeguard==4.6.1" "msgspec==0.23.0" "hf_transfer==0.1.9" "pydantic==2.14.4" "pydantic_core==2.50.5"
+  "annotated-types==0.8.0" "typing-inspection==0.4.5" "json5==0.17.3" "nest-asyncio==1.6.0" "structlog==26.1.0")
+PIP_DOWNLOAD=(pip download --no-deps --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
+              --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64
+              --platform any --only-binary=:all:)
+SITE=${SITE:-/tmp/site}
 
 # GRPO workload: 64 prompts x 8 samples, an image on every prompt; hf-batched runs 16 groups (128 rows)
 # per generate() call so that it finishes inside the variant's budget.
@@ -54,15 +71,24 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --fetch-wheels)
-      mkdir -p "$WHEELS"
-      "${PIP_DOWNLOAD[@]}" "${WHEEL_SPECS[@]}"
+      tmp=$(mktemp -d)
+      "${PIP_DOWNLOAD[@]}" -d "$tmp/whl" "${WHEEL_SPECS[@]}"
+      mkdir -p "$tmp/site/unsloth" "$tmp/site/xf" "$tmp/site/bnb" "$WHEELS"
+      for w in "$tmp"/whl/*.whl; do
+        case $(basename "$w") in xformers*) d=xf ;; bitsandbytes*) d=bnb ;; *) d=unsloth ;; esac
+        unzip -q -o "$w" -d "$tmp/site/$d"
+      done
+      rm -rf "$tmp/site/unsloth/studio"
+      find "$tmp/site/bnb" -name 'libbitsandbytes_*' ! -name '*cuda130*' -delete
+      tar czf "$WHEELS/site.tgz" -C "$tmp/site" unsloth xf bnb
+      rm -rf "$tmp"
       ls -l "$WHEELS"; exit 0 ;;
-    probe|bf16|4bit|text|captured) VARIANTS+=("$a") ;;
+    probe|bf16|4bit|text|captured|unsloth|all) VARIANTS+=("$a") ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
+    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured unsloth all; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
   esac
 done
-[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured" >&2; exit 2; }
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured unsloth all" >&2; exit 2; }
 
 # step NAME SECONDS CMD...: run CMD under a time limit, its output appended to $OUT/VARIANT.log; a failure is recorded
 # and the next step still runs (each step's figures are worth keeping on their own).
@@ -87,18 +113,32 @@ step() {
 carried_bytes() {  # what travels: tracked and untracked-not-ignored files, plus the wheels when carried
   local n
   n=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
-  if [ "${1:-}" = wheels ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    n=$((n + $(stat -c %s "$WHEELS"/*.whl | awk '{s+=$1} END {print s+0}')))
+  if [ "${1:-}" = wheels ] && [ -f "$WHEELS/site.tgz" ]; then
+    n=$((n + $(stat -c %s "$WHEELS/site.tgz")))
   fi
   echo "$n"
 }
 
-install_wheels() {  # the carried wheels, offline; pip reports what it could not install
-  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    step install_wheels 30 "$PY" -m pip install --no-deps --no-index --disable-pip-version-check "$WHEELS"/*.whl
+install_wheels() {  # unpack the carried archive once; each step names the folders it needs (with_site)
+  if [ -f "$WHEELS/site.tgz" ]; then
+    [ -d "$SITE/bnb" ] || step unpack_site 60 bash -c "mkdir -p '$SITE' && tar xzf '$WHEELS/site.tgz' -C '$SITE'"
   elif [ $DRY = 0 ]; then
-    echo "no wheels in $WHEELS (4-bit and the xformers probe will report themselves unavailable)"
+    echo "no $WHEELS/site.tgz (4-bit, the xformers probe and the Unsloth checks will report themselves unavailable)"
   fi
+}
+
+site_pp() {  # site_pp "bnb xf": PYTHONPATH with those unpacked folders first (steps run: env PYTHONPATH=... CMD)
+  local pp=${PYTHONPATH:-} d
+  for d in $1; do pp=$SITE/$d:$pp; done
+  echo "$pp"
+}
+
+LANES=()
+lane() {  # lane NAME CMD...: CMD in the background, its output to $OUT/NAME.log only; inline in a dry run
+  local name=$1; shift
+  if [ $DRY = 1 ]; then "$@"; return 0; fi
+  ( LOG=$OUT/$name.log; FAILED=(); "$@" > /dev/null; [ ${#FAILED[@]} = 0 ] ) &
+  LANES+=("$name:$!")
 }
 
 build_model() {  # build_model ARCH: random weights at Qwen2.5(-VL)-3B's real dimensions, bf16, once per machine
@@ -136,8 +176,40 @@ for v in "${VARIANTS[@]}"; do
     probe)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + wheels) of $CARRY_LIMIT"
       install_wheels
-      step probe_varlen 60 "$PY" "$HERE/probe_varlen.py" --json "$OUT/probe_varlen.json"
-      step test_gpu 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py --junitxml="$OUT/test_gpu.xml"
+      step probe_varlen 60 env PYTHONPATH="$(site_pp xf)" "$PY" "$HERE/probe_varlen.py" --json "$OUT/probe_varlen.json"
+      step test_gpu 240 env PYTHONPATH="$(site_pp bnb)" "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py \
+        --junitxml="$OUT/test_gpu.xml"
+      ;;
+    unsloth)
+      [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + site.tgz) of $CARRY_LIMIT"
+      install_wheels
+      step unsloth_check 240 env PYTHONPATH="$(site_pp "unsloth bnb")" "$PY" "$HERE/unsloth_check.py" --models "$MODELS" \
+        --json "$OUT/unsloth_check.json"
+      ;;
+    all)
+      [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + site.tgz) of $CARRY_LIMIT"
+      T0=$SECONDS
+      install_wheels
+      # The 3B build (CPU and disk) runs beside the correctness lanes; the timed sweep waits for all three.
+      lane build build_model qwen2_5_vl
+      lane unsloth step unsloth_check 200 env PYTHONPATH="$(site_pp "unsloth bnb")" "$PY" "$HERE/unsloth_check.py" \
+        --models "$MODELS" --json "$OUT/unsloth_check.json"
+      step probe_varlen 45 env PYTHONPATH="$(site_pp xf)" "$PY" "$HERE/probe_varlen.py" --json "$OUT/probe_varlen.json"
+      step test_gpu 220 env PYTHONPATH="$(site_pp bnb)" "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py
+      for l in "${LANES[@]}"; do wait "${l#*:}" || FAILED+=("${l%%:*}_lane"); done
+      LANES=()
+      step decode_vl_${SIZE}_bf16 210 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
+        --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,static \
+        --hf-batches "$HF_BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
+      LEFT=$((580 - (SECONDS - T0)))
+      if [ $DRY = 1 ] || [ $LEFT -gt 60 ]; then
+        step decode_vl_${SIZE}_4bit $([ $DRY = 1 ] && echo 100 || echo $((LEFT - 10))) env PYTHONPATH="$(site_pp bnb)" "$PY" \
+          "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 --load-in-4bit \
+          --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace \
+          --json "$OUT/decode_vl_${SIZE}_4bit.json"
+      else
+        echo "no time left for the NF4 sweep (${LEFT}s)" | tee -a "$LOG"
+      fi
       ;;
     bf16)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
@@ -151,7 +223,7 @@ for v in "${VARIANTS[@]}"; do
       install_wheels
       build_model qwen2_5_vl
       bench bench_vl_${SIZE}_4bit "$MODELS/qwen2_5_vl-$SIZE" engine,hf-batched --dtype bfloat16 --load-in-4bit
-      step decode_vl_${SIZE}_4bit 120 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
+      step decode_vl_${SIZE}_4bit 120 env PYTHONPATH="$(site_pp bnb)" "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 \
         --load-in-4bit --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --json "$OUT/decode_vl_${SIZE}_4bit.json"
       ;;
     captured)
@@ -173,7 +245,7 @@ for v in "${VARIANTS[@]}"; do
 done
 
 if [ $DRY = 1 ]; then
-  ls "$WHEELS"/*.whl >/dev/null 2>&1 || echo "wheels/ is empty: fetch with  bash $0 --fetch-wheels  (${WHEEL_SPECS[*]})"
+  [ -f "$WHEELS/site.tgz" ] || echo "no wheels/site.tgz: build it with  bash $0 --fetch-wheels"
   exit 0
 fi
 if [ ${#FAILED[@]} -gt 0 ]; then
