@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=16 << 30, help="e.g. 16GiB")
     ap.add_argument("--decode-backend", default="auto",
                     help="auto|workspace|static|gather, or several separated by commas (each a run)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="sweep the batches this many times per backend (a later pass: what runs once compiles and "
+                         "caches have settled; each row records its pass)")
     ap.add_argument("--hf-batches", default="", help="also time HF generate() at these batch sizes, e.g. 1,64")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -151,13 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"].append(run)
         try:
             timed_generate(engine, requests(policy, min(batches), args.prompt_len, 4, seed=99))  # warm-up
-            for b in batches:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                t_short = timed_generate(engine, requests(policy, b, args.prompt_len, args.short, seed=b))
-                t_long = timed_generate(engine, requests(policy, b, args.prompt_len, args.short + args.decode, seed=b))
-                run["results"].append(row_for(b, t_short, t_long))
-                show(str(run["decode_backend"]), run["results"][-1])
+            for p in range(args.passes):
+                for b in batches:
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    r0 = engine.stats().get("decode_recompiles")
+                    t_short = timed_generate(engine, requests(policy, b, args.prompt_len, args.short, seed=b))
+                    t_long = timed_generate(engine, requests(policy, b, args.prompt_len, args.short + args.decode,
+                                                             seed=b))
+                    row = row_for(b, t_short, t_long)
+                    r1 = engine.stats().get("decode_recompiles")
+                    row.update({"pass": p + 1, "recompiles": None if r0 is None else r1 - r0})
+                    run["results"].append(row)
+                    show(f"{run['decode_backend']}#{p + 1}", row)
             st = engine.stats()
             run.update(decode_recompiles=st.get("decode_recompiles"), decode_eager_steps=st.get("decode_eager_steps"),
                        decode_backend_fallback=st.get("decode_backend_fallback"))

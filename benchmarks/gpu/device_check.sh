@@ -42,6 +42,8 @@ PROMPTS=${PROMPTS:-64}    # GRPO prompts (x 8 samples each)
 MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
 HF_BATCHES=${HF_BATCHES:-1,64}  # HF generate() beside the engine in the `all` sweep
+PASSES=${PASSES:-2}             # the `all` sweep's passes over BATCHES per backend (the second: settled)
+DEADLINE=${DEADLINE:-580}       # the `all` variant starts the NF4 sweep only with more than 60 s of this left
 KV=${KV:-16GiB}           # engine KV cache budget
 CARRY_LIMIT=$((64 << 20))
 # Wheels the device lacks (it has torch, transformers, peft, accelerate, triton, torchvision, pillow, pytest).
@@ -200,12 +202,12 @@ for v in "${VARIANTS[@]}"; do
       LANES=()
       step decode_vl_${SIZE}_bf16 210 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
         --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,static \
-        --hf-batches "$HF_BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
-      LEFT=$((580 - (SECONDS - T0)))
+        --passes "$PASSES" --hf-batches "$HF_BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
+      LEFT=$((DEADLINE - (SECONDS - T0)))
       if [ $DRY = 1 ] || [ $LEFT -gt 60 ]; then
         step decode_vl_${SIZE}_4bit $([ $DRY = 1 ] && echo 100 || echo $((LEFT - 10))) env PYTHONPATH="$(site_pp bnb)" "$PY" \
           "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 --load-in-4bit \
-          --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace \
+          --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,static \
           --json "$OUT/decode_vl_${SIZE}_4bit.json"
       else
         echo "no time left for the NF4 sweep (${LEFT}s)" | tee -a "$LOG"

@@ -253,7 +253,7 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
         # same softmax, per query: query head i reads KV head i // G, as transformers' repeat_kv maps them.
         out = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
-        return out.view(b, 1, h, d)
+        return out.reshape(b, 1, h, d)  # CUDA's fp32 kernels return it strided by heads: no view
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
         enable_gqa=key.shape[1] != query.shape[1])

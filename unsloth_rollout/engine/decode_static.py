@@ -149,6 +149,10 @@ class StaticDecode:
         self.ws = runner.workspace
         self.device = runner.device
         self.pad_buckets = self.device.type == "cuda"
+        # On CUDA the key length is padded to a multiple of 16 (masked positions: zero weight, exact): SDPA's
+        # memory-efficient kernel pads a mask whose last dim is not 16-aligned, a branch dynamo guards on, so an
+        # unpadded length recompiled when it crossed a multiple of 16 (seen on an H200: 2 recompiles per run).
+        self.key_align = 16 if self.device.type == "cuda" else 1
         # "layer": each decoder layer runs one shared compiled graph (compile time independent of depth);
         # "model": the whole forward is one graph (compile time grows with depth).
         self.region = region
@@ -252,7 +256,7 @@ class StaticDecode:
         write = [t[m // bs] * bs + m % bs for t, m in zip(block_tables, lengths)] + [kv.scratch_slot] * (b - n)
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
-        key_len = max(lengths) + 1
+        key_len = -(-(max(lengths) + 1) // self.key_align) * self.key_align
         # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
         if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
@@ -275,7 +279,7 @@ class StaticDecode:
     def fits(self, n_rows: int, key_len: int) -> bool:
         """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, key_len + 1)
+        return self.ws._ensure(b, -(-key_len // self.key_align) * self.key_align + 1)
 
     def run(self, tokens, lengths, deltas, block_tables) -> torch.Tensor:
         """Logits [B, V] of a decode step whose rows are arranged in the workspace (``arrange``)."""
