@@ -103,3 +103,24 @@ def test_static_decode_with_cuda_padding_is_exact_and_never_recompiles(model_dir
         engine.shutdown()
     assert key_lens and all(L % 16 == 0 for _, L in key_lens)
     assert {b for b, _ in key_lens} >= {2, 8}  # batches of 1 and 7 padded to their buckets
+
+
+def test_auto_runs_the_captured_step_on_cuda_only_where_it_was_measured():
+    """decode_backend="auto" on CUDA: the captured step for transformers + PEFT in full or half precision (measured
+    on an H200, benchmarks/gpu/README.md); the eager workspace for 4-bit weights and Unsloth-loaded models."""
+    from types import SimpleNamespace
+
+    from unsloth_rollout.engine.decode_static import auto_decode_backend
+
+    class Linear4bit(torch.nn.Linear):  # what bitsandbytes' quantized layers are called
+        pass
+
+    cuda = torch.device("cuda")
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    quantized = torch.nn.Sequential(Linear4bit(2, 2))
+    assert auto_decode_backend(cuda, None, SimpleNamespace(backend="transformers", model=plain)) == "static"
+    assert auto_decode_backend(cuda, None, SimpleNamespace(backend="transformers", model=quantized)) == "workspace"
+    assert auto_decode_backend(cuda, None, SimpleNamespace(backend="unsloth", model=plain)) == "workspace"
+    assert auto_decode_backend(cuda, 0, SimpleNamespace(backend="transformers", model=plain)) == "workspace"
+    assert auto_decode_backend(torch.device("mps"), None, SimpleNamespace(backend="transformers", model=plain)) \
+        == "workspace"

@@ -182,9 +182,11 @@ class EngineConfig:
         decode_compile: the compiled decode step: the same as ``decode_backend="static"`` (below), kept as a
             switch of its own for existing configs.
         decode_backend: how decode steps run (engine/decode_backend.py). "auto" (the default): "static" on a CPU
-            device with a C++ compiler for torch.compile, "workspace" elsewhere (the captured step is not yet
-            measured on a GPU), and "workspace" when the static step cannot be compiled (the reason is in
-            ``stats()["decode_backend_fallback"]``); ``stats()["decode_backend"]`` says which runs.
+            device with a C++ compiler for torch.compile and on CUDA for transformers + PEFT models in full or
+            half precision (measured faster there, benchmarks/gpu/README.md); "workspace" for 4-bit weights and
+            Unsloth-loaded models on CUDA (not yet measured compiled on a GPU), on other devices, and when the
+            static step cannot be compiled (the reason is in ``stats()["decode_backend_fallback"]``);
+            ``stats()["decode_backend"]`` says which runs.
             "workspace": each running sequence owns a persistent row, filled once when it joins; no per-step copy
             of the history; each step eager. "gather": every row's history gathered from the paged pool each step.
             Memory: the workspace holds the running rows' history a second

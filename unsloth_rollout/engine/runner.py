@@ -48,7 +48,7 @@ class ModelRunner:
         self.decode_backend_requested = "static" if compile_decode else decode_backend
         self.decode_backend_fallback = None  # why "auto" runs the eager workspace where it meant the static step
         if decode_backend == "auto" and not compile_decode:
-            decode_backend = auto_decode_backend(policy.device, decode_workspace_bytes)
+            decode_backend = auto_decode_backend(policy.device, decode_workspace_bytes, policy)
         # decode_compile=True is the captured step (decode_static.py), the one compiled decode path.
         self.decode_backend = "static" if compile_decode else decode_backend
         # "static" (decode_static.py) is the workspace rows read by a compiled step; eager steps share them.
