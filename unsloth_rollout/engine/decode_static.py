@@ -57,7 +57,7 @@ BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
 def auto_decode_backend(device: torch.device, workspace_bytes: int | None, policy=None) -> str:
     """What ``decode_backend="auto"`` runs: this captured step on a CPU device where torch.compile finds a C++
     compiler (inductor's CPU code is C++), and on CUDA for transformers + PEFT models in full or half precision
-    (measured on an H200: 1.4-4x faster than the eager step on a 3B VL, exact within the GPU bounds, no
+    (measured on an H200: 1.4-2.5x faster than the eager step on a 3B VL, exact within the GPU bounds, no
     recompiles; benchmarks/gpu/README.md). The eager workspace elsewhere: 4-bit weights and models loaded by
     Unsloth on CUDA (neither measured compiled on a GPU yet), other devices, and when the workspace is switched
     off (``decode_workspace_bytes=0``: the step's rows live there)."""
