@@ -26,9 +26,11 @@ def _policy(path):
     return policy
 
 
-def _greedy(policy, ids, n):
+def _greedy(policy, engine, ids, n):
+    """HF generate's greedy tokens; a VLM's vision tokens are never sampled by the engine, nor here."""
     out = policy.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, do_sample=False)
+                                max_new_tokens=n, do_sample=False,
+                                suppress_tokens=engine.core.sampler.suppress_ids or None)
     return out[0, len(ids):].tolist()
 
 
@@ -41,7 +43,7 @@ def _check(policy, engine, prompts, max_new):
     reqs = [GenerationRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=max_new - i % 4, temperature=0.0))
             for i, p in enumerate(prompts)]
     for r, o in zip(reqs, engine.generate(reqs)):
-        assert o.output_ids == _greedy(policy, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:4]
+        assert o.output_ids == _greedy(policy, engine, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:4]
         lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, 1.0)
         assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
 

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-in-4bit", action="store_true")
     ap.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=16 << 30, help="e.g. 16GiB")
     ap.add_argument("--decode-backend", default="auto",
-                    help="auto|workspace|static|gather, or several separated by commas (each a run)")
+                    help="auto|workspace|static|gather|graphs (static replayed as CUDA graphs), or several "
+                         "separated by commas (each a run)")
     ap.add_argument("--passes", type=int, default=1,
                     help="sweep the batches this many times per backend (a later pass: what runs once compiles and "
                          "caches have settled; each row records its pass)")
@@ -145,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for backend in args.decode_backend.split(","):
         t0 = time.perf_counter()
+        graphs = backend == "graphs"  # the captured step replayed as CUDA graphs (compile_mode="cuda-graphs")
         engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                                    max_num_seqs=max(batches), decode_backend=backend))
+                                                    max_num_seqs=max(batches),
+                                                    decode_backend="static" if graphs else backend,
+                                                    compile_mode="cuda-graphs" if graphs else None))
         st = engine.stats()
-        run = {"decode_backend_requested": backend, "decode_backend": st.get("decode_backend"),
+        run = {"decode_backend_requested": backend,
+               "decode_backend": "graphs" if graphs else st.get("decode_backend"),
                "engine_start_s": time.perf_counter() - t0, "decode_warmup_s": st.get("decode_warmup_s"),
                "results": []}
         report["runs"].append(run)
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     show(f"{run['decode_backend']}#{p + 1}", row)
             st = engine.stats()
             run.update(decode_recompiles=st.get("decode_recompiles"), decode_eager_steps=st.get("decode_eager_steps"),
-                       decode_backend_fallback=st.get("decode_backend_fallback"))
+                       decode_backend_fallback=st.get("decode_backend_fallback"),
+                       **{k: v for k, v in st.items() if k.startswith("decode_graph")})
         finally:
             engine.shutdown()
             dump()

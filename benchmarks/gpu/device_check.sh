@@ -43,6 +43,7 @@ MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
 HF_BATCHES=${HF_BATCHES:-1,64}  # HF generate() beside the engine in the `all` sweep
 PASSES=${PASSES:-2}             # the `all` sweep's passes over BATCHES per backend (the second: settled)
+SWEEP=${SWEEP:-workspace,static,graphs}  # the `all` sweep's decode backends (graphs: compile_mode="cuda-graphs")
 DEADLINE=${DEADLINE:-580}       # the `all` variant starts the NF4 sweep only with more than 60 s of this left
 KV=${KV:-16GiB}           # engine KV cache budget
 CARRY_LIMIT=$((64 << 20))
@@ -201,7 +202,7 @@ for v in "${VARIANTS[@]}"; do
       for l in "${LANES[@]}"; do wait "${l#*:}" || FAILED+=("${l%%:*}_lane"); done
       LANES=()
       step decode_vl_${SIZE}_bf16 210 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
-        --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,static \
+        --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend "$SWEEP" \
         --passes "$PASSES" --hf-batches "$HF_BATCHES" --json "$OUT/decode_vl_${SIZE}_bf16.json"
       LEFT=$((DEADLINE - (SECONDS - T0)))
       if [ $DRY = 1 ] || [ $LEFT -gt 60 ]; then

@@ -200,7 +200,9 @@ class EngineConfig:
             batch and context: no recompiles as sequences grow), compiled at engine start
             (``stats()["decode_warmup_s"]``: one decoder layer's compile per kind of layer, ~5-30 s on a 2-core
             CPU whatever the depth, ~1-4 s when inductor's on-disk cache holds it); ``compile_mode`` is its
-            torch.compile mode. Steps it cannot serve (rows naming different adapters, a batch past the
+            torch.compile mode, or "cuda-graphs": the step replayed whole as one CUDA graph per (batch bucket,
+            128-token key bucket), each graph's first replays checked against the unrecorded step
+            (engine/decode_graphs.py; CUDA only, off by default: not yet measured on a GPU). Steps it cannot serve (rows naming different adapters, a batch past the
             workspace budget) run eager through the same rows (``stats()["decode_eager_steps"]``).
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need

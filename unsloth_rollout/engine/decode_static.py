@@ -170,6 +170,15 @@ class StaticDecode:
         # memory-efficient kernel pads a mask whose last dim is not 16-aligned, a branch dynamo guards on, so an
         # unpadded length recompiled when it crossed a multiple of 16 (seen on an H200: 2 recompiles per run).
         self.key_align = 16 if self.device.type == "cuda" else 1
+        self.graphs = None  # compile_mode="cuda-graphs": the step replayed whole (decode_graphs.py)
+        if mode == "cuda-graphs":
+            from . import decode_graphs
+
+            if self.device.type != "cuda" and not decode_graphs.ALLOW_STAND_IN:
+                raise ValueError("compile_mode='cuda-graphs' needs a CUDA device (this model is on "
+                                 f"{self.device}); leave compile_mode unset")
+            mode, self.key_align = None, decode_graphs.KEY_BUCKET
+            self.graphs = decode_graphs.DecodeGraphs(self)
         # "layer": each decoder layer runs one shared compiled graph (compile time independent of depth);
         # "model": the whole forward is one graph (compile time grows with depth).
         self.region = region
@@ -304,6 +313,11 @@ class StaticDecode:
         if ws.lengths != list(lengths) or ws.rows != len(tokens):
             raise RuntimeError("decode rows are not arranged: call arrange_decode with this batch first")
         args = self._inputs(tokens, lengths, deltas, block_tables)
+        graphs = self.graphs if self.warm_graphs is not None else None
+        if graphs is not None and (logits := graphs.run(args, _graphs)) is not None:  # replayed (cuda-graphs)
+            ws.advance()
+            self.steps += 1
+            return logits[: len(tokens)]
         for attempt in (1, 2):
             before = _graphs()
             try:

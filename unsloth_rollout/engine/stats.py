@@ -46,4 +46,7 @@ def engine_stats(engine) -> dict:
                  decode_guarded_steps=st.trust.guarded_steps if st.trust is not None else st.steps,
                  decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0,
                  decode_failed_trusted_steps=st.trust.failed_trusted if st.trust is not None else 0)
+        if (g := st.graphs) is not None:  # compile_mode="cuda-graphs" (decode_graphs.py)
+            s.update(decode_graph_captures=g.captures, decode_graph_replays=g.replays,
+                     decode_graph_invalidations=g.invalidations, decode_graphs_disabled=g.disabled)
     return s

@@ -1,0 +1,128 @@
+"""The captured step replayed as recorded graphs (engine/decode_graphs.py, ``compile_mode="cuda-graphs"``).
+
+The CUDA recording itself needs a GPU; here the capture is the CPU stand-in (it re-runs the recorded function on
+the graph's own input buffers), which exercises what the engine does around it: the padded buckets, the input
+buffers copied before each replay, the signature that drops graphs when the workspace grows or the weights
+change, the check of each graph's first replays against the unrecorded step, and switching graphs off when a
+recording is wrong. Oracles: HF ``generate()`` (greedy tokens) and a teacher-forced forward (logprobs, 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.engine import decode_graphs
+from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced
+
+
+def _policy(path, seed=0):
+    torch.manual_seed(0)
+    policy = load_model(path, backend="transformers", lora={"r": 8, "random_state": 0})
+    perturb_lora(policy.model, std=0.3, seed=seed)
+    return policy
+
+
+def _greedy(policy, engine, ids, n):
+    """HF generate's greedy tokens; a VLM's vision tokens are never sampled by the engine, nor here."""
+    out = policy.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=n, do_sample=False,
+                                suppress_tokens=engine.core.sampler.suppress_ids or None)
+    return out[0, len(ids):].tolist()
+
+
+def _prompts(policy, n, first="alice"):
+    words = [first, "bob", "counts", "apples", "and", "pears"]
+    return [policy.tokenizer.encode(" ".join(words[(i + j) % 6] for j in range(3 + 7 * i))) for i in range(n)]
+
+
+def _check(policy, engine, prompts, max_new):
+    reqs = [GenerationRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=max_new - i % 4, temperature=0.0))
+            for i, p in enumerate(prompts)]
+    for r, o in zip(reqs, engine.generate(reqs)):
+        assert o.output_ids == _greedy(policy, engine, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:4]
+        lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, 1.0)
+        assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
+
+
+def _engine(policy):
+    return RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static",
+                                              compile_mode="cuda-graphs"))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(decode_graphs, "ALLOW_STAND_IN", True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
+def test_replayed_steps_are_exact_and_follow_the_workspace_and_weights(model_dirs, arch, stand_in):
+    policy = _policy(model_dirs[arch])
+    engine = _engine(policy)
+    try:
+        st = engine.core.runner.static
+        g = st.graphs
+        assert g is not None and st.key_align == decode_graphs.KEY_BUCKET
+        prompts = _prompts(policy, 9)
+        prompts[4] = (prompts[4] * 30)[:250]  # past the workspace's first capacity: it grows, graphs drop
+        _check(policy, engine, prompts[:1], 20)
+        _check(policy, engine, prompts[:5], 24)
+        _check(policy, engine, prompts, 24)
+        stats = engine.stats()
+        assert stats["decode_graphs_disabled"] is None
+        assert g.captures >= 3 and g.replays > 3 * g.captures  # most steps replayed, not recorded
+        assert g.invalidations >= 1 and engine.core.runner.workspace.grows >= 1
+        assert st.eager_steps == 0 and st.recompiles == 0
+        # An in-place LoRA update (an optimizer step) with no announcement: the replay reads the new values
+        # (fresh prompts: the prefix cache's KV of the earlier ones is the old weights' until weights_changed).
+        replays = g.replays
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+        _check(policy, engine, _prompts(policy, 5, "carol"), 16)
+        assert g.replays > replays
+        # Announced (weights_changed), and a parameter given new memory without any announcement: no graph
+        # recorded before either is replayed after it.
+        for change in ("announced", "moved"):
+            before = g.invalidations
+            if change == "announced":
+                engine.weights_changed(1)
+            else:
+                with torch.no_grad():
+                    name, p = next((n, p) for n, p in policy.model.named_parameters() if "lora_B" in n)
+                    p.data = p.data * 0.5 + 0.01  # new storage, same shape
+            _check(policy, engine, _prompts(policy, 5, change), 16)
+            assert g.invalidations > before and g.disabled is None, change
+    finally:
+        engine.shutdown()
+
+
+def test_a_wrong_recording_is_caught_and_graphs_switch_off(qwen2_dir, stand_in, monkeypatch):
+    """A recording that replays stale logits (as one that baked a value in would): its first replay differs from
+    the unrecorded step, graphs are switched off, and every token is still the exact one."""
+
+    def stale(fn, pool=None):
+        g = decode_graphs._Replayed(fn)
+        g.out = fn().clone()
+        g.replay = lambda: None  # never recomputes
+        return g, g.out
+
+    policy = _policy(qwen2_dir)
+    engine = _engine(policy)
+    monkeypatch.setattr(engine.core.runner.static.graphs, "capture", stale)
+    try:
+        _check(policy, engine, _prompts(policy, 3), 12)
+        g = engine.core.runner.static.graphs
+        assert g.disabled is not None and "differed" in g.disabled
+        assert engine.stats()["decode_graphs_disabled"] == g.disabled
+        _check(policy, engine, _prompts(policy, 4), 10)  # the compiled step, unrecorded, from then on
+    finally:
+        engine.shutdown()
+
+
+def test_cuda_graphs_on_a_cpu_model_are_refused_by_name(qwen2_dir):
+    policy = _policy(qwen2_dir)
+    with pytest.raises(ValueError, match="compile_mode='cuda-graphs' needs a CUDA device"):
+        _engine(policy)

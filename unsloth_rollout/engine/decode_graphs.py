@@ -1,0 +1,170 @@
+"""The captured decode step replayed whole as one CUDA graph (``EngineConfig(compile_mode="cuda-graphs")``).
+
+The compiled step (decode_static.py) still launches every kernel from Python: on an H200 a 36-layer 3B step
+costs ~40 ms of launches whatever the batch (benchmarks/gpu/README.md), while its bytes would take ~2 ms. This
+records that step once per shape and replays it:
+
+- A graph per (batch bucket, key bucket): the batch is padded to ``BATCH_BUCKETS`` and the key length to a
+  multiple of ``KEY_BUCKET`` (masked positions: zero weight), so a run records a bounded set of graphs. The step's
+  small inputs (token ids, positions, lengths, write slots, key positions) live in buffers owned by the graph and
+  are copied in before each replay; the KV pool and the workspace rows are the engine's own tensors, written and
+  read in place by the replay.
+- Nothing the graph read may have moved: a replay happens only while the signature it was recorded under holds
+  (the compiled step's state key and the weights clock's change count, the addresses and shapes of the pool
+  and workspace tensors, and the address of every parameter). A change (the workspace grew, an adapter was
+  switched, ``weights_changed``, a parameter given new memory) drops every graph; the next steps record again.
+  In-place updates (an optimizer step) keep addresses and are read by the replay as by the compiled step. A
+  module replaced by another must be announced with ``weights_changed``, as for every decode backend.
+- Checked before trusted: a graph's first ``CHECK_REPLAYS`` replays are compared with the same step run
+  without the graph on the same inputs (it writes the same K/V to the same places). Any difference (a value the
+  recording baked in, an op that read host state) switches graphs off for the engine, logged and counted in
+  ``stats()["decode_graphs_disabled"]``; the step's result is the unrecorded one. Capture errors do the same.
+
+Not yet run on a GPU (the machine of the session that built it had no device time left): off by default. On a
+CPU the capture is replaced by a stand-in that re-runs the recorded function on the graph's buffers, which
+exercises everything but the CUDA recording itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..logs import get_logger
+
+log = get_logger("unsloth_rollout")
+
+KEY_BUCKET = 128  # key lengths padded to a multiple of this: ~1 graph per 128 positions of context per bucket
+CHECK_REPLAYS = 2  # replays of each graph compared with the unrecorded step before it is trusted
+MAX_GRAPHS = 64  # recorded graphs kept (least recently used dropped first)
+ALLOW_STAND_IN = False  # tests: run the CPU stand-in of the recording on a CPU device
+
+
+class _Replayed:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph``: ``replay`` re-runs the recorded function into ``out``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def capture_stand_in(fn, pool=None):
+    g = _Replayed(fn)
+    g.out = fn()
+    return g, g.out
+
+
+def capture_cuda(fn, pool=None):
+    """Record ``fn`` as a CUDA graph: one run on a side stream first (lazy kernel loads, workspace allocations),
+    then the recording. Both runs write the same K/V to the same places as the step itself."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+class DecodeGraphs:
+    """Graphs of one ``StaticDecode``; ``step`` returns the logits or None (then the caller runs the step)."""
+
+    def __init__(self, static, capture=None):
+        self.static = static
+        self.capture = capture or (capture_cuda if static.device.type == "cuda" else capture_stand_in)
+        self.graphs: OrderedDict = OrderedDict()  # (batch, key length) -> [graph, inputs, out, checks left]
+        self.signature = None
+        self.pool = torch.cuda.graph_pool_handle() if static.device.type == "cuda" else None
+        self.disabled: str | None = None
+        self._params: list = []  # (module, parameter name) of every parameter, and their addresses when recorded
+        self._ptrs: list[int] = []
+        self.captures = self.replays = self.invalidations = 0
+
+    def _signature(self, args) -> tuple:
+        tensors = [args[5][0], args[6][0], args[7][0], args[8][0]]  # pool and workspace (all layers move together)
+        return (self.static._state(), len(args[7]), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
+
+    def _weights_moved(self) -> bool:
+        """Whether a parameter now lives at another address than when the graphs were recorded (``p.data = ...``,
+        a new Parameter assigned, ``load_state_dict(assign=True)``): a graph would read the old memory. One
+        ``getattr`` per parameter a step (~0.2 ms on 36 layers); a replaced module is the caller's to announce
+        (``weights_changed``), as for every decode backend."""
+        now = [getattr(m, n).data_ptr() for m, n in self._params]
+        if self._params and now == self._ptrs:
+            return False
+        model = self.static.runner.policy.model
+        self._params = [(m, n) for m in model.modules() for n, _ in m.named_parameters(recurse=False)]
+        self._ptrs = [getattr(m, n).data_ptr() for m, n in self._params]
+        return True
+
+    def run(self, args, count_graphs):
+        """The step replayed from a recorded graph (or recorded now); None: the caller runs it as usual."""
+        st, before = self.static, count_graphs()
+        try:
+            logits = self.step(args, args[0].shape[0])
+        except Exception as e:  # noqa: BLE001  (the usual path runs the step again: same K/V, same places)
+            self._disable(f"{type(e).__name__}: {e}"[:400])
+            return None
+        if logits is not None and count_graphs() > before:  # a trace while recording: checked as any recompile
+            st.recompiles += count_graphs() - before
+            self.graphs.clear()
+            if st.trust is not None:
+                st.trust.graphs = None
+            st._checked(args)
+            logits = st._call(args)
+        return logits
+
+    def step(self, args, n: int):
+        if self.disabled is not None:
+            return None
+        sig = self._signature(args)
+        if self._weights_moved() or sig != self.signature:
+            if self.graphs:
+                self.invalidations += 1
+            self.graphs.clear()
+            self.signature = sig
+        key = (args[0].shape[0], args[4].shape[0])
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._record(key, args, n)
+        self.graphs.move_to_end(key)
+        graph, inputs, out, checks = entry
+        for dst, src in zip(inputs, args[:5]):
+            dst.copy_(src)
+        graph.replay()
+        self.replays += 1
+        logits = out[:n].clone()
+        if checks:
+            entry[3] -= 1
+            ref = self.static._call(args)[:n]  # the same step unrecorded: the same K/V to the same places
+            if not torch.equal(ref, logits):
+                diff = (ref.float() - logits.float()).abs().max().item()
+                self._disable(f"a replay differed from the unrecorded step by {diff:.3g} (batch {key[0]}, "
+                              f"key length {key[1]})")
+                return ref
+        return logits
+
+    def _record(self, key, args, n: int):
+        inputs = [a.clone() for a in args[:5]]
+        full = (*inputs, *args[5:])
+        ref = self.static._call(full)[:n].clone()  # this step's result (compiles here if a shape is new)
+        try:
+            graph, out = self.capture(lambda: self.static._call(full), self.pool)
+        except Exception as e:  # noqa: BLE001  (an op that cannot be recorded: the compiled step goes on)
+            self._disable(f"recording failed: {type(e).__name__}: {e}"[:400])
+            return ref
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = [graph, inputs, out, CHECK_REPLAYS]
+        self.captures += 1
+        return ref
+
+    def _disable(self, why: str) -> None:
+        log.warning("decode CUDA graphs switched off: %s; decode steps run the compiled step unrecorded", why)
+        self.disabled = why
+        self.graphs.clear()
