@@ -34,8 +34,8 @@ def _greedy(policy, engine, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def _prompts(policy, n):
-    words = ["alice", "bob", "counts", "apples", "and", "pears"]
+def _prompts(policy, n, first="alice"):
+    words = [first, "bob", "counts", "apples", "and", "pears"]
     return [policy.tokenizer.encode(" ".join(words[(i + j) % 6] for j in range(3 + 7 * i))) for i in range(n)]
 
 

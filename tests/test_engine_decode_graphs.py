@@ -12,38 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from test_engine_cuda_layout import _check, _policy, _prompts
+from unsloth_rollout import EngineConfig, RolloutEngine
 from unsloth_rollout.engine import decode_graphs
-from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced
-
-
-def _policy(path, seed=0):
-    torch.manual_seed(0)
-    policy = load_model(path, backend="transformers", lora={"r": 8, "random_state": 0})
-    perturb_lora(policy.model, std=0.3, seed=seed)
-    return policy
-
-
-def _greedy(policy, engine, ids, n):
-    """HF generate's greedy tokens; a VLM's vision tokens are never sampled by the engine, nor here."""
-    out = policy.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, do_sample=False,
-                                suppress_tokens=engine.core.sampler.suppress_ids or None)
-    return out[0, len(ids):].tolist()
-
-
-def _prompts(policy, n, first="alice"):
-    words = [first, "bob", "counts", "apples", "and", "pears"]
-    return [policy.tokenizer.encode(" ".join(words[(i + j) % 6] for j in range(3 + 7 * i))) for i in range(n)]
-
-
-def _check(policy, engine, prompts, max_new):
-    reqs = [GenerationRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=max_new - i % 4, temperature=0.0))
-            for i, p in enumerate(prompts)]
-    for r, o in zip(reqs, engine.generate(reqs)):
-        assert o.output_ids == _greedy(policy, engine, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:4]
-        lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, 1.0)
-        assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
 
 
 def _engine(policy):
