@@ -87,7 +87,7 @@ class DecodeGraphs:
 
     def _signature(self, args) -> tuple:
         tensors = [args[5][0], args[6][0], args[7][0], args[8][0]]  # pool and workspace (all layers move together)
-        return (self.static._state(), len(args[7]), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
+        return (self.static._state(), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
 
     def _weights_moved(self) -> bool:
         """Whether a parameter now lives at another address than when the graphs were recorded (``p.data = ...``,
@@ -111,12 +111,8 @@ class DecodeGraphs:
             self._disable(f"{type(e).__name__}: {e}"[:400])
             return None
         if logits is not None and count_graphs() > before:  # a trace while recording: checked as any recompile
-            st.recompiles += count_graphs() - before
             self.graphs.clear()
-            if st.trust is not None:
-                st.trust.graphs = None
-            st._checked(args)
-            logits = st._call(args)
+            logits = st._retraced(args, count_graphs() - before)
         return logits
 
     def step(self, args, n: int):

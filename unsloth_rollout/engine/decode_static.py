@@ -1,5 +1,6 @@
 """The captured decode step (``decode_backend="static"``, also ``decode_compile=True``, and what the default
-``"auto"`` runs on CPU): one compiled graph shared by every decoder layer of a kind, for every batch and context.
+``"auto"`` runs on CPU and on CUDA): one compiled graph shared by every decoder layer of a kind, for every batch
+and context.
 
 The eager decode is dispatch-bound on small-hidden models: a step is hundreds of Python module calls (36 layers
 x 7 projections x base + LoRA A + LoRA B, norms, rotary, attention, cache writes), each a few microseconds of
@@ -19,9 +20,8 @@ decoder layer's forward through ``torch.compile``, with shapes that never force 
 - Per-step metadata (token ids, positions incl. M-RoPE deltas, write slots, lengths) goes in as small tensors;
   the batch, the context length and the workspace's own row count / capacity are marked dynamic, so one graph
   serves every batch size >= 2 (a batch of one is padded to two: dynamo specializes size-1 dimensions) and
-  every context length. On CUDA the batch is also padded to a bucket (``BATCH_BUCKETS``), so a CUDA-graph
-  ``compile_mode`` ("reduce-overhead") could record a bounded set of graphs (untested), and the key length to a
-  multiple of 16 (SDPA's mask-alignment branch is guarded on: an unpadded length recompiled as it grew).
+  every context length. On CUDA the batch is also padded to a bucket (``BATCH_BUCKETS``) and the key length
+  to a multiple of 16 (or of 128 with ``compile_mode="cuda-graphs"``: a bounded set of graphs, decode_graphs.py).
 - Parameters are graph inputs (dynamo lifts module parameters), never baked: an optimizer step that updates
   the LoRA weights in place is seen by the next step.
 - The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
@@ -76,9 +76,8 @@ def auto_decode_backend(device: torch.device, workspace_bytes: int | None, polic
 
 def _quantized(model) -> bool:
     """bitsandbytes (or any other) quantized linear layers anywhere in the model."""
-    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
-        return True
-    return any("4bit" in type(m).__name__ or "8bit" in type(m).__name__ for m in model.modules())
+    return (getattr(getattr(model, "config", None), "quantization_config", None) is not None
+            or any("4bit" in type(m).__name__ or "8bit" in type(m).__name__ for m in model.modules()))
 
 
 def batch_bucket(n: int) -> int:
@@ -166,9 +165,8 @@ class StaticDecode:
         self.ws = runner.workspace
         self.device = runner.device
         self.pad_buckets = self.device.type == "cuda"
-        # On CUDA the key length is padded to a multiple of 16 (masked positions: zero weight, exact): SDPA's
-        # memory-efficient kernel pads a mask whose last dim is not 16-aligned, a branch dynamo guards on, so an
-        # unpadded length recompiled when it crossed a multiple of 16 (seen on an H200: 2 recompiles per run).
+        # CUDA: key length padded to a multiple of 16 (masked: exact). SDPA's mem-efficient kernel pads an unaligned
+        # mask, a branch dynamo guards on: unpadded lengths recompiled as they grew (H200: 2 recompiles per run).
         self.key_align = 16 if self.device.type == "cuda" else 1
         self.graphs = None  # compile_mode="cuda-graphs": the step replayed whole (decode_graphs.py)
         if mode == "cuda-graphs":
@@ -179,7 +177,7 @@ class StaticDecode:
                                  f"{self.device}); leave compile_mode unset")
             mode, self.key_align = None, decode_graphs.KEY_BUCKET
             self.graphs = decode_graphs.DecodeGraphs(self)
-        # "layer": each decoder layer runs one shared compiled graph (compile time independent of depth);
+        # "layer": every decoder layer runs one shared compiled graph (compile time independent of depth);
         # "model": the whole forward is one graph (compile time grows with depth).
         self.region = region
         if region == "layer":
@@ -282,7 +280,7 @@ class StaticDecode:
         write = [t[m // bs] * bs + m % bs for t, m in zip(block_tables, lengths)] + [kv.scratch_slot] * (b - n)
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
-        key_len = -(-(max(lengths) + 1) // self.key_align) * self.key_align
+        key_len = self._aligned(max(lengths) + 1)
         # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
         if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
@@ -305,7 +303,10 @@ class StaticDecode:
     def fits(self, n_rows: int, key_len: int) -> bool:
         """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, -(-key_len // self.key_align) * self.key_align + 1)
+        return self.ws._ensure(b, self._aligned(key_len) + 1)
+
+    def _aligned(self, key_len: int) -> int:  # the key length attended over (masked past each row's length)
+        return -(-key_len // self.key_align) * self.key_align
 
     def run(self, tokens, lengths, deltas, block_tables) -> torch.Tensor:
         """Logits [B, V] of a decode step whose rows are arranged in the workspace (``arrange``)."""
@@ -334,18 +335,20 @@ class StaticDecode:
             log.info("static decode: a trusted step failed; running it guarded", exc_info=True)
             self.trust.graphs, self.trust.failed_trusted = None, self.trust.failed_trusted + 1
         if self.warm_graphs is not None and _graphs() > before:
-            self.recompiles += _graphs() - before
-            if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)
-                self.trust.graphs = None
-            # A graph traced after start (the model changed: another adapter, a patched module): the step runs
-            # again eager through the cache-use guard, as at warm-up (the same K/V written to the same places),
-            # and a layer that no longer uses the engine's cache is refused by name (CacheBypassError). Then once
-            # more compiled, so this step's K/V and logits are the compiled graph's, as every other step's are.
-            self._checked(args)
-            logits = self._call(args)[: len(tokens)]
+            logits = self._retraced(args, _graphs() - before)[: len(tokens)]
         ws.advance()
         self.steps += 1
         return logits
+
+    def _retraced(self, args, traced: int) -> torch.Tensor:
+        """A step that traced graphs after start (the model changed): counted as recompiles, run again eager
+        through the cache-use guard (same K/V, same places; a layer off the engine's cache: CacheBypassError by
+        name), then once more compiled, so its K/V and logits are the compiled graph's as every step's are."""
+        self.recompiles += traced
+        if self.trust is not None:  # the next step guarded again (it marks what a trace keeps dynamic)
+            self.trust.graphs = None
+        self._checked(args)
+        return self._call(args)
 
     def _key(self) -> tuple:
         """What the graph was traced under that dynamo's guards would otherwise have to re-check every step."""
