@@ -129,6 +129,48 @@ def test_kernel_matches_a_float64_attention(d, g):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-6)
 
 
+def _build_eight_wide(tmp_path):
+    """The kernel's source built for 8-float vectors (AVX2, as on a machine without AVX-512), loaded by ctypes."""
+    import ctypes
+
+    from unsloth_rollout.kernels import build
+
+    src = os.path.join(os.path.dirname(build.__file__), "csrc", "decode_attention.cpp")
+    out = tmp_path / "decode_attention_avx2.so"
+    cmd = ["g++", "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC", src, "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 11 + [ctypes.c_float, ctypes.c_int]
+    lib.decode_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in open("/proc/cpuinfo").read(),
+                    reason="the 8-wide build needs an x86 CPU with AVX2")
+def test_the_eight_wide_build_matches_a_float64_attention(tmp_path):
+    """Machines without AVX-512 build the kernel with 8-float vectors (its W == 8 branch: other reductions, twice
+    the vectors per row); built that way here, it agrees with the float64 attention on every head size."""
+    lib = _build_eight_wide(tmp_path)
+    lengths = [0, 5, 7, 8, 9, 33, 70]
+    for d in (16, 32, 48, 64, 80, 96, 128, 256):
+        for g in (1, 2, 4, 7):
+            q, k, v, lens = _case(len(lengths), 2, g, d, 71, lengths, seed=d + g, strided=(g % 2 == 0))
+            lo, hi = cpu_attention.key_range(lens, None)
+            b = q.shape[0]
+            qc = q.reshape(b, 2, g, d).contiguous()
+            out, lse = torch.empty_like(qc), torch.empty(b, 2, g)
+            rc = lib.decode_attention_f32(qc.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                          lo.data_ptr(), hi.data_ptr(), b, 2, g, d, k.shape[2], *k.stride()[:3],
+                                          *v.stride()[:3], d ** -0.5, 2)
+            assert rc == 0, (d, g, rc)
+            ref, ref_lse = _reference(q, k, v, lo, hi, d ** -0.5)
+            torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5, msg=f"d={d} g={g}")
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-6, msg=f"d={d} g={g}")
+
+
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 1, 7, 16, 40])
 def test_kernel_equals_sdpa_with_the_engines_mask(window):
