@@ -1,13 +1,14 @@
 """A decode attention kernel for CPU: each row's history read once, in place, near the machine's memory bandwidth.
 
 A decode step's attention is one query position per row against that row's whole history. On CPU, SDPA's flash
-kernel spends ~1.6x a plain read of that history on it (36 layers x 64 rows, head dim 16: 315 us a layer against 194
-us for ``torch.sum`` over the same keys and values; this kernel 247 us: ``benchmarks/cpu_attention_kernel.py``), and
-on deep small-hidden models attention is the largest part of a step. ``kernels/csrc/decode_attention.cpp`` is the
-same arithmetic written for this shape: the G query heads that share a KV head are computed together, so each key
-and value row is loaded once; scores for 16 keys at a time, an online softmax in blocks of 16 keys (flash
-attention's rescaling), rows split across torch's threads. It reads only each row's real keys (``lo`` .. ``hi``), so
-no mask is built or read.
+kernel spends 1.6x a plain read of that history on it on the 36-layer bench's shape (36 layers x 64 rows, head dim
+16) and 2.6x on the long workload's (32 rows x 2k keys, 4 query heads per KV head, head dim 64); this kernel 1.06x
+and 1.13x (2 AMD EPYC cores: ``benchmarks/cpu_attention_kernel.py``), and on deep small-hidden models attention
+is the largest part of a step. ``kernels/csrc/decode_attention.cpp`` is the same arithmetic written for this shape:
+the G query heads that share a KV head are computed together, so each key and value row is loaded once; scores
+for W keys at a time (W = 16 floats with AVX-512, else 8) summed across lanes in registers, an online softmax in
+blocks of W keys (flash attention's rescaling), the rows ahead prefetched into L2, rows split across torch's
+threads. It reads only each row's real keys (``lo`` .. ``hi``), so no mask is built or read.
 
 It is built once per machine with the system C++ compiler (``kernels/build.py``: ``g++ -O3 -march=native -fopenmp``,
 about 10 s), cached under ``~/.cache/unsloth_rollout/kernels`` (``UNSLOTH_ROLLOUT_KERNEL_DIR``) by a hash of the
