@@ -100,19 +100,29 @@ def test_the_op_is_registered_in_cpp_and_its_python_fallback_agrees_bitwise(tmp_
             "    assert 'outside the keys' in str(e), e\n"
             "else:\n"
             "    raise AssertionError('a range past the keys was read')\n"
-            "torch.save([eager, compiled], sys.argv[2])\n")
+            "pk, pv, pe, plen = torch.load(sys.argv[3])\n"
+            "pre = c.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, None)\n"
+            "pre_c = torch.compile(lambda *a: c.decode_attention_prefixed(*a, None), fullgraph=True)(\n"
+            "    q, k, v, lo, hi, pk, pv, pe, plen)\n"
+            "torch.save([eager, compiled, pre, pre_c], sys.argv[2])\n")
     q, k, v, lens = _case(5, 2, 3, 32, 40, [3, 39, 17, 0, 25], seed=4, strided=True)
     torch.save([q, k, v, lens], tmp_path / "in.pt")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                       capture_output=True, text=True, timeout=600)
+    pk, pv = torch.randn(2, 2, 24, 32), torch.randn(2, 2, 24, 32)
+    pe, plen = torch.tensor([1, -1, 0, 0, 1]), torch.tensor([24, 9])
+    torch.save([pk, pv, pe, plen], tmp_path / "prefix.pt")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"),
+                        str(tmp_path / "prefix.pt")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    (e_out, e_lse), (c_out, c_lse) = torch.load(tmp_path / "out.pt")
+    (e_out, e_lse), (c_out, c_lse), pre, pre_c = torch.load(tmp_path / "out.pt")
     lo, hi = cpu_attention.key_range(lens, None)
     out, lse = cpu_attention.decode_attention(q, k, v, lo, hi, None)
     for other in (e_out, c_out):
         assert torch.equal(out, other)
     for other in (e_lse, c_lse):
         assert torch.equal(lse, other)
+    here = cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, None)
+    for other in (pre, pre_c):  # the prefixed op: the same kernel through the Python registration
+        assert torch.equal(here[0], other[0]) and torch.equal(here[1], other[1])
 
 
 @needs_kernel
@@ -303,3 +313,41 @@ def test_a_key_range_outside_the_keys_is_refused_not_read():
         cpu_attention.decode_attention(q, k, v, lo, hi + 1, None)
     with pytest.raises(RuntimeError, match="outside the keys"):
         cpu_attention.decode_attention(q, k, v, lo - 1, hi, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d,g", [(16, 2), (64, 4), (128, 7)])
+def test_the_prefixed_op_matches_a_float64_attention_over_entry_then_own_keys(d, g):
+    """``decode_attention_prefixed``: row b attends to prefix entry pe[b]'s first plen keys, then to its own keys
+    lo .. hi - 1, under one softmax. Oracle: the float64 attention over the two concatenated; rows without an entry
+    equal the plain op bitwise; the compiled op equals the eager one; an entry or length outside the store is
+    refused, not read."""
+    gen = torch.Generator().manual_seed(1)
+    b, kvh, cap, e, p = 6, 2, 40, 3, 50
+    q, k, v, _ = _case(b, kvh, g, d, cap, [0] * b, seed=2, strided=True)
+    pk = torch.randn(e + 1, kvh, p + 3, d, generator=gen)[:e, :, :p]  # the store's layout: entries x heads x cap
+    pv = torch.randn(e + 1, kvh, p + 3, d, generator=gen)[:e, :, :p]
+    pe, plen = torch.tensor([0, 0, -1, 2, 2, 1]), torch.tensor([33, 17, 48])
+    lo, hi = torch.tensor([0, 0, 0, 0, 5, 0]), torch.tensor([5, 9, 40, 1, 23, 30])
+    scale = d ** -0.5
+    out, lse = cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, scale)
+    for i in range(b):
+        j = int(pe[i])
+        kk, vv, a, z = k[i:i + 1], v[i:i + 1], int(lo[i]), int(hi[i])
+        if j >= 0:  # the entry's keys, then the row's own range, as one row of keys
+            n = int(plen[j])
+            kk = torch.cat([pk[j:j + 1, :, :n], k[i:i + 1, :, a:z]], 2)
+            vv = torch.cat([pv[j:j + 1, :, :n], v[i:i + 1, :, a:z]], 2)
+            a, z = 0, kk.shape[2]
+        ref, ref_lse = _reference(q[i:i + 1], kk, vv, torch.tensor([a]), torch.tensor([z]), scale)
+        assert (out[i].double() - ref[0]).abs().max() <= 2e-6, i
+        assert (lse[i].double() - ref_lse[0]).abs().max() <= 2e-5, i
+    plain, plain_lse = cpu_attention.decode_attention(q, k, v, lo, hi, scale)
+    alone = pe < 0
+    assert torch.equal(out[alone], plain[alone]) and torch.equal(lse[alone], plain_lse[alone])
+    compiled = torch.compile(cpu_attention.decode_attention_prefixed, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, lo, hi, pk, pv, pe, plen, scale)[0], out)
+    with pytest.raises(RuntimeError, match="prefix entry"):
+        cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, torch.tensor([0, 0, -1, 3, 2, 1]), plen, scale)
+    with pytest.raises(RuntimeError, match="prefix entry"):
+        cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, torch.tensor([33, 17, 51]), scale)

@@ -327,29 +327,56 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(fami
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, family
 
 
-def test_the_compiled_step_keeps_short_shared_prompts_in_whole_rows(qwen2_dir):
-    """With the compiled decode step (the CPU default), a step that reads prefix entries runs eager, so only
-    prompts of 640+ shared positions get an entry (``shared_prefix_min_tokens=None``); a group of a short prompt
-    decodes whole rows through the compiled step, a group of a long one reads it once, eager. The eager workspace
-    keeps 32. Tokens equal HF greedy either way."""
+def test_the_compiled_step_reads_short_shared_prompts_once_too(qwen2_dir):
+    """With the compiled decode step on the CPU kernel (the CPU default), steps over prefix entries run in the graph,
+    so a group's prompt gets an entry from 32 shared positions (``shared_prefix_min_tokens=None``), as with the
+    eager workspace; without the kernel those steps would run eager, and only prompts of 640+ shared positions get
+    one. A group of a short prompt and one of a long prompt: read once, compiled; tokens equal HF greedy."""
     policy = load_model(qwen2_dir, backend="transformers")
     tok = policy.tokenizer
     short = tok.encode(" ".join(["apple", "bob", "count", "dog"] * 20))[:80]
     long_ = (tok.encode(" ".join(["carol", "eats", "nine", "figs"] * 200)) * 2)[:700]
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16), seed=0)
-    assert core.runner.decode_backend == "static" and core.runner.workspace.min_prefix == 640
+    assert core.runner.decode_backend == "static" and core.runner.workspace.min_prefix == 32
     ws, st = core.runner.workspace, core.runner.static
-    seqs = add_sequences(core, [short], [12], n=4, temperature=0.0)
-    steps, eager = st.steps, st.eager_steps
+    seqs = add_sequences(core, [short, long_], [12, 6], n=4, temperature=0.0)
     step_until_idle(core, max_steps=500)
-    assert ws.prefix_steps == 0 and st.steps > steps and st.eager_steps == eager  # compiled, whole rows
-    core2 = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16), seed=0)
-    seqs += add_sequences(core2, [long_], [6], n=4, temperature=0.0)
-    step_until_idle(core2, max_steps=500)
-    assert core2.runner.workspace.prefix_steps > 0  # the 700-token prompt is read once per group, eager
+    assert ws.prefix_steps > 0 and st.eager_steps == 0 and st.recompiles == 0
     for s in seqs:
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
                                     min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
         assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="qwen2")
+    no_kernel = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, cpu_attention_kernel=False), seed=0)
+    assert no_kernel.runner.decode_backend == "static" and no_kernel.runner.workspace.min_prefix == 640
+    assert not no_kernel.runner.static.prefixed()
     eager = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode_backend="workspace"), seed=0)
     assert eager.runner.workspace.min_prefix == 32
+
+
+@pytest.mark.parametrize("backend", ["static", "workspace"])
+def test_shared_prefix_steps_run_compiled_without_recompiling(qwen2_dir, backend):
+    """The compiled step (the CPU default) reads each row's prefix entry inside the graph (the CPU kernel's
+    prefixed op: the entry's keys, then the row's own, under one softmax): steps over prefix entries are not
+    eager and compile nothing after warm-up, while groups join, finish and leave entries behind. Tokens equal HF
+    greedy's; sampled logprobs equal a teacher-forced forward (a LoRA model). The eager workspace runs the same
+    op, for the same results."""
+    policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
+    perturb_lora(policy.model, std=0.3)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16, decode_backend=backend,
+                                           shared_prefix_min_tokens=32), seed=0)
+    ws, st = core.runner.workspace, core.runner.static
+    assert (st is not None and st.prefixed()) == (backend == "static")
+    prompts = _prompts(policy.tokenizer)
+    seqs, seen = _run_watching(core, prompts, [20, 8, 14], n=4, temperature=0.0)
+    sampled, seen2 = _run_watching(core, prompts[1:], [10, 12], n=3, temperature=1.0)
+    assert seen["entries"] == 3 and seen["steps"] >= 8 and seen2["steps"] >= 8, (seen, seen2)
+    assert seen["steps"] + seen2["steps"] - 2 <= ws.prefix_steps <= seen["steps"] + seen2["steps"]  # (prefills)
+    if backend == "static":
+        assert st.eager_steps == 0 and st.recompiles == 0 and st.steps >= ws.prefix_steps
+    for s in seqs:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
+                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label=backend)
+    for s in sampled:
+        tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
+        assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, backend

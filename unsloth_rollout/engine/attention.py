@@ -64,6 +64,8 @@ class ForwardContext:
     # decode over rows that hold only their own positions: the shared prefixes they attend to as well
     # (prefix_batch.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
     prefix: object | None = None
+    # the compiled decode: this layer's prefix-store tensors (pk, pv), so one graph serves every layer
+    prefix_kv: tuple | None = None
     # decode: each row's query position, which is also its count of cached keys (keys 0..lengths[i] are real);
     # with ``kernel`` the attention reads exactly those keys through engine/cpu_attention.py instead of a mask
     lengths: torch.Tensor | None = None
@@ -241,8 +243,13 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
         if q != 1 or window is not None or kwargs.get("softcap") is not None:
             raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prefix decode step reached a layer "
                                             "with a sliding window or soft-capping")
-        own = cpu_attention.decode_attention(query, key, value, *ctx.key_range(None), scaling) if kernel else None
-        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx, own)
+        if kernel:  # each row's prefix entry, then its own keys, under one softmax (rows of a group: from cache)
+            pb = ctx.prefix
+            pk, pv = ctx.prefix_kv if ctx.prefix_kv is not None else (pb.pk[module.layer_idx], pb.pv[module.layer_idx])
+            out, _ = cpu_attention.decode_attention_prefixed(query, key, value, *ctx.key_range(None), pk, pv, pb.pe,
+                                                             pb.plen, scaling)
+            return out.view(b, 1, h, d)
+        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx)
     if kernel:  # one query per row over exactly its real keys, read in place (no mask)
         out, _ = cpu_attention.decode_attention(query, key, value, *ctx.key_range(window), scaling)
         return out.view(b, 1, h, d)

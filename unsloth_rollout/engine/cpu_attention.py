@@ -21,6 +21,10 @@ running torch, ~6 s once) so that neither an eager call nor a compiled graph's c
 that library does not build, the op is a Python custom op over ctypes (same kernel; ``op_registration()`` says
 which).
 
+Rows of a GRPO group that hold only their own positions (the decode workspace's shared prefixes) reach it as
+``decode_attention_prefixed`` (op ``unsloth_rollout::decode_attention_prefixed``): each row's prefix entry, then
+its own keys, under one softmax; the group's rows are neighbours, so the entry is read from memory about once.
+
 Arithmetic: the softmax of ``scale * q . k`` over the row's keys, ``exp`` by Cephes' single-precision polynomial (~1
 ulp), sums in a different order than SDPA's: outputs agree with SDPA's within a few float32 ulps
 (tests/test_cpu_attention.py checks them against SDPA and a float64 reference). ``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` or
@@ -44,13 +48,15 @@ log = logging.getLogger(__name__)
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
 _MAX_GROUP = 8
 
-_CODES = {1: "unsupported head size or query heads per KV head", 3: "a row's key range is outside the keys"}
+_CODES = {1: "unsupported head size or query heads per KV head", 3: "a row's key range is outside the keys",
+          4: "a row's prefix entry or its length is outside the prefix keys"}
 
 _lock = threading.Lock()
 _lib = None
 _error: str | None = None
 _tried = False
 _op = None  # the registered op (C++ or Python), set with _lib
+_op_prefixed = None  # unsloth_rollout::decode_attention_prefixed, registered with _op
 _op_error: str | None = None  # why the op is the Python one
 
 
@@ -59,12 +65,14 @@ def enabled_by_env() -> bool:
 
 
 def _load() -> ctypes.CDLL:
-    global _op, _op_error
+    global _op, _op_error, _op_prefixed
     path = build_library("decode_attention")
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.decode_attention_f32.argtypes = [p] * 7 + [i] * 11 + [ctypes.c_float, ctypes.c_int]
     lib.decode_attention_f32.restype = ctypes.c_int
+    lib.decode_attention_prefixed_f32.argtypes = [p] * 11 + [i] * 19 + [ctypes.c_float, ctypes.c_int]
+    lib.decode_attention_prefixed_f32.restype = ctypes.c_int
     _op, _op_error = _define_op(path)
     return lib
 
@@ -72,16 +80,22 @@ def _load() -> ctypes.CDLL:
 def _define_op(kernel: Path):
     """The op ``unsloth_rollout::decode_attention``: registered in C++ (``csrc/decode_attention_op.cpp``, built
     against this torch: a call reaches the kernel without a Python frame, ~25-45 us less a call) where that
-    builds, else a Python custom op over ctypes. The same kernel either way: the same results."""
+    builds, else a Python custom op over ctypes. The same kernel either way: the same results. The same for
+    ``unsloth_rollout::decode_attention_prefixed`` (set in ``_op_prefixed``)."""
+    global _op_prefixed
     try:
         torch.ops.load_library(str(build_library("decode_attention_op", torch_headers=True, link=(kernel,))))
         torch.library.register_fake("unsloth_rollout::decode_attention")(_fake)
+        torch.library.register_fake("unsloth_rollout::decode_attention_prefixed")(_fake_prefixed)
+        _op_prefixed = torch.ops.unsloth_rollout.decode_attention_prefixed.default
         return torch.ops.unsloth_rollout.decode_attention.default, None
     except Exception as e:  # noqa: BLE001 - no torch headers, a failed build: the Python op, same kernel
         error = f"{type(e).__name__}: {e}"
         log.info("decode attention op registered in Python (C++ registration unavailable: %s)", error[:500])
     op = torch.library.custom_op("unsloth_rollout::decode_attention", mutates_args=())(_run)
     op.register_fake(_fake)
+    _op_prefixed = torch.library.custom_op("unsloth_rollout::decode_attention_prefixed", mutates_args=())(_run_prefixed)
+    _op_prefixed.register_fake(_fake_prefixed)
     return op, error
 
 
@@ -148,6 +162,33 @@ def _fake(q, k, v, lo, hi, scale):
     return q.new_empty(q.shape).contiguous(), q.new_empty(q.shape[:3]).contiguous()
 
 
+def _run_prefixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  pk: torch.Tensor, pv: torch.Tensor, pe: torch.Tensor, plen: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q = q.contiguous()
+    lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    pe, plen = pe.to(torch.int64).contiguous(), plen.to(torch.int64).contiguous()
+    b, kvh, g, d = q.shape
+    if pk.shape[1] != kvh or pk.shape[3] != d or pv.shape != pk.shape or plen.numel() < pk.shape[0]:
+        raise RuntimeError(f"decode attention kernel: pk {tuple(pk.shape)} / pv {tuple(pv.shape)} / plen "
+                           f"{tuple(plen.shape)} do not match q {tuple(q.shape)}")
+    out = torch.empty_like(q)
+    lse = torch.empty((b, kvh, g), dtype=torch.float32)
+    rc = _lib.decode_attention_prefixed_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+        pk.data_ptr(), pv.data_ptr(), pe.data_ptr(), plen.data_ptr(), b, kvh, g, d, min(k.shape[2], v.shape[2]),
+        pk.shape[0], min(pk.shape[2], pv.shape[2]), *k.stride()[:3], *v.stride()[:3], *pk.stride()[:3],
+        *pv.stride()[:3], float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode attention kernel: {_CODES.get(rc, rc)} (q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                           f"pk {tuple(pk.shape)})")
+    return out, lse
+
+
+def _fake_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, scale):
+    return _fake(q, k, v, lo, hi, scale)
+
+
 def key_range(lengths: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's keys ``lo .. hi - 1``: positions 0 .. lengths[i] (the new token's own), or the last ``window``."""
     hi = lengths + 1
@@ -169,3 +210,22 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if _op_error is not None and not torch.compiler.is_compiling():
         return _run(qg, key, value, lo, hi, scale)  # the Python op's own body, without its dispatch
     return _op(qg, key, value, lo, hi, scale)
+
+
+def decode_attention_prefixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor,
+                              hi: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, row_entry: torch.Tensor,
+                              plen: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention`` where row i also attends to the keys ``0 .. plen[e] - 1`` of prefix entry
+    ``e = row_entry[i]`` of ``pk`` / ``pv`` ``[E, KV, P, D]`` (e < 0: none), before its own keys ``lo[i] ..
+    hi[i] - 1``, under one softmax: a GRPO group's samples read their shared prompt from one entry (rows of a group
+    are neighbours, so after the first the entry comes from cache). The op
+    ``unsloth_rollout::decode_attention_prefixed``; the compiled decode step calls it too."""
+    if _library() is None:
+        raise RuntimeError(f"CPU decode attention kernel unavailable: {_error or 'disabled'}")
+    b, h, _, d = query.shape
+    kvh = key.shape[1]
+    qg = query.reshape(b, kvh, h // kvh, d)
+    scale = d ** -0.5 if scale is None else float(scale)
+    if _op_error is not None and not torch.compiler.is_compiling():
+        return _run_prefixed(qg, key, value, lo, hi, pk, pv, row_entry, plen, scale)
+    return _op_prefixed(qg, key, value, lo, hi, pk, pv, row_entry, plen, scale)

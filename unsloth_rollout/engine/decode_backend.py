@@ -53,6 +53,7 @@ class DecodeWorkspace:
         self.plens: list[int] = []  # per entry: shared positions
         self.prefs: list[int] = []  # per entry: rows that read it
         self.prefix_steps = 0  # decode steps that read shared prefixes once per group
+        self.min_entries = 1  # fewest entries the store is sized for (2 for the compiled step: no size-1 dim)
         # Most bytes the rows may hold (None: the pool's own size). A batch whose rows x longest row would not fit
         # decodes through the gather path that step instead (``gathering``): never preempted, never over budget.
         self.budget_bytes = cache.memory_bytes if budget_bytes is None else budget_bytes
@@ -246,7 +247,7 @@ class DecodeWorkspace:
         cur_e, cur_c = self._store_dims()
         need = len(set(keys))
         n = max((len(k) for k in keys), default=0) * self.cache.block_size
-        ents = cur_e if need <= cur_e else max(need, cur_e + cur_e // 2)
+        ents = cur_e if need <= cur_e else max(need, cur_e + cur_e // 2, self.min_entries)
         return ents, max(cur_c, -(-n // 16) * 16)
 
     def _prefix_bytes_for(self, keys: list[tuple]) -> int:

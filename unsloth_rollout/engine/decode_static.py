@@ -27,8 +27,11 @@ decoder layer's forward through ``torch.compile``, with shapes that never force 
 - The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
   are counted (``stats()["decode_recompiles"]``); a step that traced a new graph is checked, as warm-up's
   was, by the same step run eager through the cache-use guard. Steps the graph does not serve run eager through
-  the same workspace rows: rows that name different adapters (PEFT's per-row ``adapter_names`` is Python), and
-  rows that read a GRPO group's shared prompt from a prefix entry (``runner.decode``).
+  the same workspace rows: rows that name different adapters (PEFT's per-row ``adapter_names`` is Python), and,
+  without the CPU kernel, rows that read a GRPO group's shared prompt from a prefix entry (``runner.decode``).
+  With it (``prefixed``), such rows hold only their own positions and read their entry inside the graph: the
+  prefix store, each row's entry and each entry's length are tensor inputs (each layer gets its store through
+  ``ForwardContext.prefix_kv``), passed on every step, entries or none, so one graph serves both.
 - Dynamo's guards (~150 us a layer call) are checked on the steps after the model may have changed; the other
   steps call trusted copies of the region (``decode_trust.py``).
 
@@ -38,6 +41,7 @@ the cache-use guard in the engine's probe); only the kernels differ (inductor's 
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -47,7 +51,7 @@ import torch
 from ..logs import get_logger
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
 from .decode_trust import LayerTrust
-from .kv_cache import CacheView
+from .decode_views import LayerView, StaticView, step_prefix
 
 log = get_logger("unsloth_rollout")
 
@@ -92,53 +96,6 @@ def _graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
-
-
-class StaticView(CacheView):
-    """One decode step's cache: each layer's new token goes into the pool (``write_slots``) and into its
-    workspace row at ``lengths[i]``; attention reads ``ws[:B, :, :L]`` in place. All tensors are passed in, so
-    a compiled step holds no reference to storage that may move."""
-
-    def __init__(self, cache, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx):
-        super().__init__(cache, write_slots, None, key_len, ctx)
-        self.pool_k, self.pool_v, self.ws_k, self.ws_v = pool_k, pool_v, ws_k, ws_v
-        self.rows = torch.arange(lengths.shape[0], device=lengths.device)
-        self.lengths = lengths
-
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        b = key_states.shape[0]
-        pk, pv = self.pool_k[layer_idx], self.pool_v[layer_idx]
-        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
-        pk.index_copy_(0, self.write_slots, k_new.to(pk.dtype))
-        pv.index_copy_(0, self.write_slots, v_new.to(pv.dtype))
-        wk, wv = self.ws_k[layer_idx], self.ws_v[layer_idx]
-        wk[self.rows, :, self.lengths] = k_new.to(wk.dtype)
-        wv[self.rows, :, self.lengths] = v_new.to(wv.dtype)
-        n = self._seq_length
-        return wk[:b, :, :n].to(key_states.dtype), wv[:b, :, :n].to(value_states.dtype)
-
-
-class LayerView(CacheView):
-    """One decoder layer's slice of a step's cache, handed to the compiled layer: its own pool and workspace
-    tensors, so the shared graph never indexes a per-layer list (an int guard would compile one graph per
-    layer). ``k_pos`` carries the key length as a tensor shape (dynamic), not a Python int (specialized)."""
-
-    def __init__(self, pk, pv, wk, wv, write_slots, rows, lengths, k_pos, ctx):
-        self.cache, self.ctx, self.gather_index = None, ctx, None
-        self.pk, self.pv, self.wk, self.wv = pk, pv, wk, wv
-        self.write_slots, self.rows, self.lengths, self.k_pos = write_slots, rows, lengths, k_pos
-
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        b, n = key_states.shape[0], self.k_pos.shape[0]
-        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
-        self.pk.index_copy_(0, self.write_slots, k_new.to(self.pk.dtype))
-        self.pv.index_copy_(0, self.write_slots, v_new.to(self.pv.dtype))
-        self.wk[self.rows, :, self.lengths] = k_new.to(self.wk.dtype)
-        self.wv[self.rows, :, self.lengths] = v_new.to(self.wv.dtype)
-        return self.wk[:b, :, :n].to(key_states.dtype), self.wv[:b, :, :n].to(value_states.dtype)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.k_pos.shape[0] - 1
 
 
 def _layer_call(layer, *args, **kwargs):
@@ -196,14 +153,18 @@ class StaticDecode:
         self.recompiles = 0
         self.steps = 0
         self.eager_steps = 0
+        self._no_store = None  # the prefix stand-ins of steps without a prefix entry (``step_prefix``)
+        if runner._kernel and self.ws is not None:
+            self.ws.min_entries = 2  # the prefix store's entries: a dynamic dimension, never specialized as 1
 
     # ------------------------------------------------------------------ the graph
-    def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, check=False):
+    def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, prefix=None,
+              check=False):
         r = self.runner
         key_len = k_pos.shape[0]
         kp = k_pos.view(1, -1)
         ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=check,
-                             lengths=lengths)
+                             lengths=lengths, prefix=prefix)
         ctx.inner, ctx.kernel = r._inner, r._kernel
         view = StaticView(r.kv, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx)
         out = r.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=True,
@@ -212,18 +173,20 @@ class StaticDecode:
             ctx.verify(r.policy.model, r.num_layers)
         return out.logits[:, -1, :]
 
-    def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v):
-        """The model's own forward, eager outside its decoder layers; each layer runs the compiled region."""
+    def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v,
+                     prefix=None):
+        """The model's own forward, eager outside its decoder layers; each layer runs the compiled region.
+        ``prefix`` (a ``StaticPrefix``): the rows' shared prefixes; ``lengths`` are then the rows' own positions."""
         r = self.runner
         layers, trust, state = self._layers, self.trust, self._state()
         # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
         # (a trace must keep the batch and the context dynamic; a trusted copy already traced never traces)
         fns, ran, mark = trust.fns(state)
         if mark:
-            self._mark((input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v))
+            self._mark((input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, prefix))
         kp = k_pos.view(1, -1)
         ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False,
-                             lengths=lengths)
+                             lengths=lengths, prefix=prefix)
         ctx.inner, ctx.kernel = r._inner, r._kernel
         for w in self._windows:  # built once per step, outside the region: every layer reads the same masks
             ranges = ctx.key_range(w) if ctx.kernel else ()  # the CPU kernel reads each row's key range
@@ -242,11 +205,17 @@ class StaticDecode:
         def region(i, layer):
             lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
             fn = fns[i]
+            lctx = None
+            if prefix is not None:  # this layer's prefix store, as a tensor input (not a list index)
+                lctx = copy.copy(ctx)
+                lctx.prefix_kv = (prefix.pk[i], prefix.pv[i])
 
             def forward(hidden_states, *args, **kwargs):
                 for k, v in kwargs.items():
                     if v is view:
                         kwargs[k] = lv
+                if lctx is not None:
+                    kwargs[CTX_KWARG] = lctx
                 if mark:
                     torch._dynamo.mark_dynamic(hidden_states, 0)
                     for t in kwargs.get("position_embeddings") or ():
@@ -280,30 +249,45 @@ class StaticDecode:
         write = [t[m // bs] * bs + m % bs for t, m in zip(block_tables, lengths)] + [kv.scratch_slot] * (b - n)
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
-        key_len = self._aligned(max(lengths) + 1)
+        prefix = step_prefix(self, b) if self.prefixed() else None
+        held = self.ws.own_lengths if prefix is not None else list(lengths)  # the positions each row holds
+        if prefix is not None:
+            lens_t = torch.tensor(held + pad, device=self.device)
+            self.ws.prefix_steps += self.ws.has_prefixes
+        key_len = self._key_len(max(held))
         # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
         if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
         k_pos = torch.arange(key_len, device=self.device)
         args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
-                kv.k, kv.v, self.ws.k, self.ws.v)
+                kv.k, kv.v, self.ws.k, self.ws.v, prefix)
         if self.trust is None:  # region "model": one graph (the layer regions mark only when one may trace)
             self._mark(args)
         return args
 
     def _mark(self, args) -> None:
-        input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v = args
+        input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v, prefix = args
         for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
             torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
         torch._dynamo.mark_dynamic(k_pos, 0)
-        for t in ws_k + ws_v:  # rows and capacity grow with the batch and the context
+        stores = list(ws_k) + list(ws_v) + (list(prefix.pk) + list(prefix.pv) if prefix is not None else [])
+        for t in stores:  # rows / entries and capacity grow with the batch, the context, the prompts
             torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(t, 2)
+        if prefix is not None:
+            torch._dynamo.mark_dynamic(prefix.pe, 0)
+            torch._dynamo.mark_dynamic(prefix.plen, 0)
 
-    def fits(self, n_rows: int, key_len: int) -> bool:
-        """Whether the padded batch's rows fit the workspace budget (else this step runs eager)."""
+    def fits(self, n_rows: int, held: int) -> bool:
+        """Whether the padded batch's rows (``held``: the most positions a row holds) fit the workspace budget (else
+        this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, self._aligned(key_len) + 1)
+        return self.ws._ensure(b, self._key_len(held) + 1)
+
+    def _key_len(self, held: int) -> int:
+        """Keys a step attends over: the longest row's and its new token's; one more when prefixed (a row that just
+        joined its prefix entry holds one position of its own: a size-1 dimension would specialize)."""
+        return self._aligned(held + (2 if self.prefixed() else 1))
 
     def _aligned(self, key_len: int) -> int:  # the key length attended over (masked past each row's length)
         return -(-key_len // self.key_align) * self.key_align
@@ -356,7 +340,12 @@ class StaticDecode:
         peft = getattr(m, "peft_config", None)
         return (id(m), m.training, str(getattr(m, "active_adapter", None)), tuple(sorted(peft or ())),
                 tuple(sorted(getattr(self.runner.policy, "served_adapters", None) or ())), self.runner._inner,
-                self.runner._kernel, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+                self.runner._kernel, self.prefixed(), torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+    def prefixed(self) -> bool:
+        """Whether steps read shared prefixes in the graph (CPU kernel, layer regions, the workspace's shared
+        prefixes on): every step then passes the prefix store, empty or not, so one graph serves both."""
+        return self.trust is not None and bool(self.runner._kernel) and self.ws.shared_prefix
 
     def _checked(self, args) -> torch.Tensor:
         """The step run eager through the cache-use guard (``ForwardContext.verify``: CacheBypassError by name)."""

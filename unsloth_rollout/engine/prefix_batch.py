@@ -35,12 +35,15 @@ class PrefixBatch:
     """One decode step's shared prefixes: ``pk[layer][:n, :, :pmax]`` hold entry e's ``plens[e]`` positions
     (``mask``: additive [n, 1, 1, pmax]); ``q_index`` [n, m]: the rows reading each entry (padded); per row,
     ``entry`` / ``slot``: where it sits in ``q_index``, ``alone``: True for rows without a prefix entry.
-    ``chunks``: ``(a, b, p)`` per attention call, over entries a..b-1 padded to p positions (``prefix_chunks``)."""
+    ``chunks``: ``(a, b, p)`` per attention call, over entries a..b-1 padded to p positions (``prefix_chunks``).
+    ``pe`` [B]: each row's entry (-1: none) and ``plen`` [entries of the store]: each entry's positions, as the CPU
+    kernel reads them (``cpu_attention.decode_attention_prefixed``: no padding, no mask)."""
 
-    def __init__(self, pk, pv, n, pmax, m, mask, q_index, entry, slot, alone, chunks=None):
+    def __init__(self, pk, pv, n, pmax, m, mask, q_index, entry, slot, alone, chunks=None, pe=None, plen=None):
         self.pk, self.pv, self.n, self.pmax, self.m = pk, pv, n, pmax, m
         self.mask, self.q_index, self.entry, self.slot, self.alone = mask, q_index, entry, slot, alone
         self.chunks = chunks or [(0, n, pmax)]
+        self.pe, self.plen = pe, plen
 
     @classmethod
     def of(cls, pk, pv, plens: list[int], row_entry: list[int], dtype, device) -> "PrefixBatch | None":
@@ -62,4 +65,24 @@ class PrefixBatch:
             (torch.arange(pmax, device=device).view(1, -1) >= lens.view(-1, 1)).view(n_e, 1, 1, pmax), float("-inf"))
         return cls(pk, pv, n_e, pmax, m, mask, torch.tensor(q_index, device=device),
                    torch.tensor([max(e, 0) for e in row_entry], device=device), torch.tensor(slot, device=device),
-                   torch.tensor([e < 0 for e in row_entry], device=device), prefix_chunks(plens))
+                   torch.tensor([e < 0 for e in row_entry], device=device), prefix_chunks(plens),
+                   *step_tensors(row_entry, plens, pk[0].shape[0], len(row_entry), device))
+
+
+def step_tensors(row_entry: list[int], plens: list[int], entries: int, rows: int, device):
+    """(``pe`` [rows]: each row's prefix entry, -1 for none and for padded rows; ``plen`` [entries]: each entry's
+    positions, 0 for the store's unused entries): what the CPU kernel reads a step's prefixes by."""
+    pe = torch.full((rows,), -1, dtype=torch.int64)
+    pe[: len(row_entry)] = torch.tensor(row_entry, dtype=torch.int64)
+    plen = torch.zeros(entries, dtype=torch.int64)
+    plen[: len(plens)] = torch.tensor(plens, dtype=torch.int64)
+    return pe.to(device), plen.to(device)
+
+
+class StaticPrefix:
+    """The compiled decode step's prefixes (decode_static.py): every layer's store tensors (``pk`` / ``pv``, as a
+    ``PrefixBatch`` holds them) and the step's ``pe`` / ``plen``. Each layer's region gets its own pair through
+    ``ForwardContext.prefix_kv``, so the graph never indexes the per-layer lists."""
+
+    def __init__(self, pk, pv, pe, plen):
+        self.pk, self.pv, self.pe, self.plen = pk, pv, pe, plen

@@ -27,9 +27,10 @@ from .vision import PromptVision
 
 logger = get_logger("unsloth_rollout")
 
-# Fewest shared positions for a prefix entry (EngineConfig.shared_prefix_min_tokens=None): with eager steps, and
-# with the compiled step, whose steps over prefix entries run eager (crossover measured on the bench's model,
-# benchmarks/cpu/shared-prefix-crossover.md: compiled whole rows faster up to ~600 tokens)
+# Fewest shared positions for a prefix entry (EngineConfig.shared_prefix_min_tokens=None): 32, also with the
+# compiled step on the CPU kernel, which reads prefix entries in the graph (faster than whole rows from 128 shared
+# positions on, benchmarks/cpu/shared-prefix-crossover.md); 640 with the compiled step without the kernel, whose
+# steps over prefix entries run eager (compiled whole rows were faster up to ~600 tokens there)
 EAGER_MIN_PREFIX, STATIC_MIN_PREFIX = 32, 640
 
 
@@ -85,12 +86,12 @@ class ModelRunner:
             self.static = StaticDecode(self, compile_mode)
 
     def _set_min_prefix(self) -> None:
-        """Fewest shared positions worth a prefix entry: the config's, else 32 for eager steps and
-        ``STATIC_MIN_PREFIX`` when the compiled step runs (a step that reads prefix entries runs eager)."""
+        """Fewest shared positions worth a prefix entry: the config's, else 32, or ``STATIC_MIN_PREFIX`` when the
+        compiled step runs without the CPU kernel (its steps that read prefix entries run eager)."""
         if self.workspace is not None:
             n = self.shared_prefix_min_tokens
             self.workspace.min_prefix = n if n is not None else (
-                STATIC_MIN_PREFIX if self.decode_backend == "static" else EAGER_MIN_PREFIX)
+                STATIC_MIN_PREFIX if self.decode_backend == "static" and not self._kernel else EAGER_MIN_PREFIX)
 
     def _shared_prefix_servable(self) -> bool:
         """Whether decode may read shared prefixes once per group (attention.shared_prefix_decode): on CPU (the
@@ -270,10 +271,12 @@ class ModelRunner:
         names = self.adapter_names(adapters or [None] * n_rows)
         if keys is not None and self.workspace is not None and not self.workspace.gathering:
             if self.static is not None and not eager:
-                if names is None and not self.workspace.has_prefixes and self.static.fits(n_rows, max(lengths) + 1):
+                ws = self.workspace
+                prefixes = ws.has_prefixes
+                held = max(ws.own_lengths) if prefixes else max(lengths)  # the most positions a row holds
+                if names is None and (not prefixes or self.static.prefixed()) and self.static.fits(n_rows, held):
                     return self.static.run(tokens, lengths, deltas, block_tables)
-                # rows naming different adapters, rows reading a shared prompt's positions from a prefix entry
-                # (GRPO samples: read once for all of them), or no room to pad: eager, same rows
+                # rows naming different adapters, shared prefixes without the CPU kernel, or no room to pad: eager
                 self.static.eager_steps += 1
             return self._decode_workspace(tokens, lengths, deltas, block_tables, names, keys)
         b, lmax = n_rows, max(lengths) + 1

@@ -3,7 +3,8 @@
 // lo[b] .. hi[b] - 1 of row b (its history, or the last `window` of it), online in blocks of W keys as flash
 // attention does. Returns the output and each query's natural log-sum-exp (for merging attentions exactly).
 // Built at first use by unsloth_rollout/kernels/build.py (g++ -O3 -march=native -fopenmp) and run on
-// the OpenMP runtime torch loaded, with torch's thread count; float32 only.
+// the OpenMP runtime torch loaded, with torch's thread count; float32 only. decode_attention_prefixed_f32: the same,
+// where a row first attends to a shared prefix entry (a GRPO group's prompt, held once), then to its own keys.
 //
 // W is the machine's vector width in floats: 16 with AVX-512, else 8 (AVX2; the same code in half-width
 // vectors: 16-float vectors on a machine without AVX-512 were emulated in pairs and ran ~5x slower).
@@ -119,22 +120,25 @@ INL vf hsum(const vf *P) {
 #endif
 
 template <int C, int G>
-static void task(const float *qt, const float *kt, const float *vt, float *ot, float *lset, int64_t j_lo,
-                 int64_t j_hi, int64_t ksl, int64_t vsl, float scale) {
-    constexpr bool two = G * C < 8;  // few accumulators: even and odd keys in two, for two FMA chains
-    vf acc[G][C], acc2[two ? G : 1][two ? C : 1];
+struct State {
+    vf acc[G][C];
     float m[G], l[G];
+};
+
+// One segment of keys j_lo .. j_hi - 1 (rows ksl / vsl floats apart) folded into the running softmax state.
+template <int C, int G>
+INL void segment(State<C, G> &st, const float *qt, const float *kt, const float *vt, int64_t j_lo, int64_t j_hi,
+                 int64_t ksl, int64_t vsl, float scale) {
+    constexpr bool two = G * C < 8;  // few accumulators: even and odd keys in two, for two FMA chains
+    vf acc2[two ? G : 1][two ? C : 1];
     alignas(64) float p[G][W];
 #if W == 16
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #else
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
-    for (int g = 0; g < G; g++) {
-        for (int c = 0; c < C; c++) acc[g][c] = bc(0.0f);
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
+    auto &acc = st.acc;
+    float *m = st.m, *l = st.l;
     for (int64_t j0 = j_lo; j0 < j_hi; j0 += W) {
         const int nb = (int)(j_hi - j0 < W ? j_hi - j0 : W);
         const float *kb = kt + j0 * ksl;
@@ -198,41 +202,58 @@ static void task(const float *qt, const float *kt, const float *vt, float *ot, f
             }
         }
     }
+}
+
+// One (row, KV head): its shared prefix's keys 0 .. p_hi - 1 first when it has one (pkt non-null), then its own
+// keys j_lo .. j_hi - 1, under one softmax (PRE: the prefixed op's variant; the plain op's has no prefix branch).
+template <int C, int G, bool PRE>
+static void task(const float *qt, const float *kt, const float *vt, float *ot, float *lset, int64_t j_lo,
+                 int64_t j_hi, int64_t ksl, int64_t vsl, float scale, const float *pkt, const float *pvt,
+                 int64_t p_hi, int64_t pksl, int64_t pvsl) {
+    State<C, G> st;
     for (int g = 0; g < G; g++) {
-        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int c = 0; c < C; c++) *(vfu *)(ot + g * W * C + W * c) = acc[g][c] * inv;
-        if (lset) lset[g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+        for (int c = 0; c < C; c++) st.acc[g][c] = bc(0.0f);
+        st.m[g] = -INFINITY;
+        st.l[g] = 0.0f;
+    }
+    if (PRE && pkt) segment<C, G>(st, qt, pkt, pvt, 0, p_hi, pksl, pvsl, scale);
+    segment<C, G>(st, qt, kt, vt, j_lo, j_hi, ksl, vsl, scale);
+    for (int g = 0; g < G; g++) {
+        float inv = st.l[g] > 0.0f ? 1.0f / st.l[g] : 0.0f;
+        for (int c = 0; c < C; c++) *(vfu *)(ot + g * W * C + W * c) = st.acc[g][c] * inv;
+        if (lset) lset[g] = st.l[g] > 0.0f ? st.m[g] + logf(st.l[g]) : -INFINITY;
     }
 }
 
 typedef void (*task_fn)(const float *, const float *, const float *, float *, float *, int64_t, int64_t,
-                        int64_t, int64_t, float);
+                        int64_t, int64_t, float, const float *, const float *, int64_t, int64_t, int64_t);
 
-template <int C>
+template <int C, bool PRE>
 static task_fn pick_g(int64_t G) {
     switch (G) {
-        case 1: return task<C, 1>;
-        case 2: return task<C, 2>;
-        case 3: return task<C, 3>;
-        case 4: return task<C, 4>;
-        case 5: return task<C, 5>;
-        case 6: return task<C, 6>;
-        case 7: return task<C, 7>;
-        case 8: return task<C, 8>;
+        case 1: return task<C, 1, PRE>;
+        case 2: return task<C, 2, PRE>;
+        case 3: return task<C, 3, PRE>;
+        case 4: return task<C, 4, PRE>;
+        case 5: return task<C, 5, PRE>;
+        case 6: return task<C, 6, PRE>;
+        case 7: return task<C, 7, PRE>;
+        case 8: return task<C, 8, PRE>;
         default: return 0;
     }
 }
 
+template <bool PRE>
 static task_fn pick(int64_t D, int64_t G) {
     switch (D) {
-        case 16: return pick_g<16 / W>(G);
-        case 32: return pick_g<32 / W>(G);
-        case 48: return pick_g<48 / W>(G);
-        case 64: return pick_g<64 / W>(G);
-        case 80: return pick_g<80 / W>(G);
-        case 96: return pick_g<96 / W>(G);
-        case 128: return pick_g<128 / W>(G);
-        case 256: return pick_g<256 / W>(G);
+        case 16: return pick_g<16 / W, PRE>(G);
+        case 32: return pick_g<32 / W, PRE>(G);
+        case 48: return pick_g<48 / W, PRE>(G);
+        case 64: return pick_g<64 / W, PRE>(G);
+        case 80: return pick_g<80 / W, PRE>(G);
+        case 96: return pick_g<96 / W, PRE>(G);
+        case 128: return pick_g<128 / W, PRE>(G);
+        case 256: return pick_g<256 / W, PRE>(G);
         default: return 0;
     }
 }
@@ -241,7 +262,7 @@ extern "C" int decode_attention_f32(const float *q, const float *k, const float 
                                     const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
                                     int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
                                     int64_t vsh, int64_t vsl, float scale, int nthreads) {
-    task_fn fn = pick(D, G);
+    task_fn fn = pick<false>(D, G);
     if (!fn) return 1;
     for (int64_t b = 0; b < B; b++)  // never read outside the L keys of each row
         if (lo[b] < 0 || hi[b] > L || lo[b] > hi[b]) return 3;
@@ -250,7 +271,35 @@ extern "C" int decode_attention_f32(const float *q, const float *k, const float 
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = t / KV, h = t % KV;
         fn(q + t * G * D, k + b * ksb + h * ksh, v + b * vsb + h * vsh, out + t * G * D, lse ? lse + t * G : 0,
-           lo[b], hi[b], ksl, vsl, scale);
+           lo[b], hi[b], ksl, vsl, scale, 0, 0, 0, 0, 0);
+    }
+    return 0;
+}
+
+// The same, where row b also attends to prefix entry pe[b] (pe[b] < 0: none): that entry's keys 0 .. plen[e] - 1
+// of pk / pv ([E, KV, P, D] with strides psb / psh / psl), before its own keys, under one softmax. A GRPO group's
+// samples hold only their own positions and share their prompt's entry; consecutive rows of a group read it
+// from cache rather than memory.
+extern "C" int decode_attention_prefixed_f32(
+    const float *q, const float *k, const float *v, float *out, float *lse, const int64_t *lo, const int64_t *hi,
+    const float *pk, const float *pv, const int64_t *pe, const int64_t *plen, int64_t B, int64_t KV, int64_t G,
+    int64_t D, int64_t L, int64_t E, int64_t P, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb, int64_t vsh,
+    int64_t vsl, int64_t pksb, int64_t pksh, int64_t pksl, int64_t pvsb, int64_t pvsh, int64_t pvsl, float scale,
+    int nthreads) {
+    task_fn fn = pick<true>(D, G);
+    if (!fn) return 1;
+    for (int64_t b = 0; b < B; b++) {  // never read outside the L keys of each row, the P keys of each entry
+        if (lo[b] < 0 || hi[b] > L || lo[b] > hi[b]) return 3;
+        if (pe[b] >= E) return 4;
+        if (pe[b] >= 0 && (plen[pe[b]] < 0 || plen[pe[b]] > P)) return 4;
+    }
+    int64_t tasks = B * KV;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t b = t / KV, h = t % KV, e = pe[b];
+        const float *pkt = e >= 0 ? pk + e * pksb + h * pksh : 0, *pvt = e >= 0 ? pv + e * pvsb + h * pvsh : 0;
+        fn(q + t * G * D, k + b * ksb + h * ksh, v + b * vsb + h * vsh, out + t * G * D, lse ? lse + t * G : 0,
+           lo[b], hi[b], ksl, vsl, scale, pkt, pvt, e >= 0 ? plen[e] : 0, pksl, pvsl);
     }
     return 0;
 }

@@ -1,0 +1,70 @@
+"""The cache views of the captured decode step (decode_static.py), and the prefixes it passes in."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import CacheView
+from .prefix_batch import StaticPrefix, step_tensors
+
+
+class StaticView(CacheView):
+    """One decode step's cache: each layer's new token goes into the pool (``write_slots``) and into its
+    workspace row at ``lengths[i]``; attention reads ``ws[:B, :, :L]`` in place. All tensors are passed in, so
+    a compiled step holds no reference to storage that may move."""
+
+    def __init__(self, cache, pool_k, pool_v, ws_k, ws_v, write_slots, lengths, key_len, ctx):
+        super().__init__(cache, write_slots, None, key_len, ctx)
+        self.pool_k, self.pool_v, self.ws_k, self.ws_v = pool_k, pool_v, ws_k, ws_v
+        self.rows = torch.arange(lengths.shape[0], device=lengths.device)
+        self.lengths = lengths
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        b = key_states.shape[0]
+        pk, pv = self.pool_k[layer_idx], self.pool_v[layer_idx]
+        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
+        pk.index_copy_(0, self.write_slots, k_new.to(pk.dtype))
+        pv.index_copy_(0, self.write_slots, v_new.to(pv.dtype))
+        wk, wv = self.ws_k[layer_idx], self.ws_v[layer_idx]
+        wk[self.rows, :, self.lengths] = k_new.to(wk.dtype)
+        wv[self.rows, :, self.lengths] = v_new.to(wv.dtype)
+        n = self._seq_length
+        return wk[:b, :, :n].to(key_states.dtype), wv[:b, :, :n].to(value_states.dtype)
+
+
+class LayerView(CacheView):
+    """One decoder layer's slice of a step's cache, handed to the compiled layer: its own pool and workspace
+    tensors, so the shared graph never indexes a per-layer list (an int guard would compile one graph per
+    layer). ``k_pos`` carries the key length as a tensor shape (dynamic), not a Python int (specialized)."""
+
+    def __init__(self, pk, pv, wk, wv, write_slots, rows, lengths, k_pos, ctx):
+        self.cache, self.ctx, self.gather_index = None, ctx, None
+        self.pk, self.pv, self.wk, self.wv = pk, pv, wk, wv
+        self.write_slots, self.rows, self.lengths, self.k_pos = write_slots, rows, lengths, k_pos
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        b, n = key_states.shape[0], self.k_pos.shape[0]
+        k_new, v_new = key_states[:, :, 0, :], value_states[:, :, 0, :]  # [B, H, D]
+        self.pk.index_copy_(0, self.write_slots, k_new.to(self.pk.dtype))
+        self.pv.index_copy_(0, self.write_slots, v_new.to(self.pv.dtype))
+        self.wk[self.rows, :, self.lengths] = k_new.to(self.wk.dtype)
+        self.wv[self.rows, :, self.lengths] = v_new.to(self.wv.dtype)
+        return self.wk[:b, :, :n].to(key_states.dtype), self.wv[:b, :, :n].to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.k_pos.shape[0] - 1
+
+
+def step_prefix(static, b: int) -> StaticPrefix:
+    """A step's ``StaticPrefix`` over ``b`` (padded) rows of ``static``'s workspace: the prefix store's tensors,
+    or two zero stand-ins (two entries of 16 positions: no size-1 dimension to specialize) when it holds none."""
+    ws = static.ws
+    if ws.pk:
+        pk, pv = ws.pk, ws.pv
+    else:
+        if static._no_store is None:
+            c = static.runner.kv
+            static._no_store = [torch.zeros((2, c.num_kv_heads, 16, c.head_dim), dtype=c.dtype, device=c.device)
+                                for _ in range(2)]
+        pk, pv = [static._no_store[0]] * len(ws.k), [static._no_store[1]] * len(ws.k)
+    return StaticPrefix(pk, pv, *step_tensors(ws.row_entry, ws.plens, pk[0].shape[0], b, static.device))
