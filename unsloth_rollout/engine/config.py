@@ -212,14 +212,17 @@ class EngineConfig:
         shared_prefix_decode: with the workspace backend, rows that share a prompt's full KV blocks (the samples
             of one GRPO prompt, through the prefix cache) hold those positions once, and each decode step reads
             them once for all of those rows, merging the two attentions exactly by their log-sum-exps
-            (``attention.shared_prefix_decode``). Served on CPU for models whose every layer attends with SDPA
-            arithmetic over its whole history; elsewhere (and when False) every row holds its whole history.
-            Steps with shared prefixes run eager (the compiled step serves whole rows only).
-        shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32 with the eager
-            workspace; 640 when the compiled "static" step runs, since a step reading shared prefixes runs eager
-            and on the bench's model, GRPO groups of 8, compiled whole rows are faster up to ~650-token prompts:
-            12% at 256 tokens, 5% at 512, while reading the prompt once per group is 3% faster at 768 and 11% at
-            1024; benchmarks/cpu/shared-prefix-crossover.md). Shorter shared prompts are held by every row.
+            (``attention.shared_prefix_decode``; with the CPU kernel, one softmax over each row's entry and then
+            its own keys: ``cpu_attention.decode_attention_prefixed``). Served on CPU for models whose every layer
+            attends with SDPA arithmetic over its whole history; elsewhere (and when False) every row holds its
+            whole history. With the CPU kernel the compiled step serves these steps too (the prefix store is a
+            graph input); without it they run eager.
+        shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32; 640 when the
+            compiled "static" step runs without the CPU kernel, whose steps reading shared prefixes then run eager:
+            compiled whole rows were faster there up to ~650-token prompts). With the kernel, on the bench's model
+            (GRPO groups of 8), compiled steps over prefix entries are faster than compiled whole rows from 128
+            shared tokens on (benchmarks/cpu/shared-prefix-crossover.md). Shorter shared prompts are held by every
+            row.
         cpu_attention_kernel: on a CPU device, decode attention (one new token per row over its history) runs on
             the engine's own kernel (engine/cpu_attention.py: each row's keys and values read once, in place, no
             mask; SDPA's arithmetic within float32 rounding), built once per machine with the system C++ compiler

@@ -87,7 +87,7 @@ class DecodeGraphs:
 
     def _signature(self, args) -> tuple:
         tensors = [args[5][0], args[6][0], args[7][0], args[8][0]]  # pool and workspace (all layers move together)
-        return (self.static._state(), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
+        return (self.static._state(args[9] is not None), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
 
     def _weights_moved(self) -> bool:
         """Whether a parameter now lives at another address than when the graphs were recorded (``p.data = ...``,

@@ -178,7 +178,7 @@ class StaticDecode:
         """The model's own forward, eager outside its decoder layers; each layer runs the compiled region.
         ``prefix`` (a ``StaticPrefix``): the rows' shared prefixes; ``lengths`` are then the rows' own positions."""
         r = self.runner
-        layers, trust, state = self._layers, self.trust, self._state()
+        layers, trust, state = self._layers, self.trust, self._state(prefix is not None)
         # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
         # (a trace must keep the batch and the context dynamic; a trusted copy already traced never traces)
         fns, ran, mark = trust.fns(state)
@@ -235,11 +235,11 @@ class StaticDecode:
             trust.vouch(ran, state)
         return out.logits[:, -1, :]
 
-    def _state(self) -> tuple:
+    def _state(self, prefixed_step: bool) -> tuple:
         """What a guarded step vouches for: the traced-under key and the weight-change count (every change of
         the policy's weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py)."""
         clock = self.runner.weights_clock
-        return self._key(), (clock.changes if clock is not None else None)
+        return self._key() + (prefixed_step,), (clock.changes if clock is not None else None)
 
     def _inputs(self, tokens, lengths, deltas, block_tables):
         r, kv = self.runner, self.runner.kv
@@ -249,12 +249,12 @@ class StaticDecode:
         write = [t[m // bs] * bs + m % bs for t, m in zip(block_tables, lengths)] + [kv.scratch_slot] * (b - n)
         pad = [0] * (b - n)
         input_ids, pos, lens_t = r._decode_inputs(list(tokens) + pad, list(lengths) + pad, list(deltas) + pad)
-        prefix = step_prefix(self, b) if self.prefixed() else None
+        prefix = step_prefix(self, b) if self.prefixed() and self.ws.has_prefixes else None
         held = self.ws.own_lengths if prefix is not None else list(lengths)  # the positions each row holds
         if prefix is not None:
             lens_t = torch.tensor(held + pad, device=self.device)
             self.ws.prefix_steps += self.ws.has_prefixes
-        key_len = self._key_len(max(held))
+        key_len = self._key_len(max(held), prefix is not None)
         # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
         if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
             raise RuntimeError("static decode: the padded batch does not fit the decode workspace budget")
@@ -278,16 +278,16 @@ class StaticDecode:
             torch._dynamo.mark_dynamic(prefix.pe, 0)
             torch._dynamo.mark_dynamic(prefix.plen, 0)
 
-    def fits(self, n_rows: int, held: int) -> bool:
-        """Whether the padded batch's rows (``held``: the most positions a row holds) fit the workspace budget (else
-        this step runs eager)."""
+    def fits(self, n_rows: int, held: int, prefixes: bool = False) -> bool:
+        """Whether the padded batch's rows (``held``: the most positions a row holds; ``prefixes``: rows read prefix
+        entries) fit the workspace budget (else this step runs eager)."""
         b = batch_bucket(n_rows) if self.pad_buckets else max(n_rows, 2)
-        return self.ws._ensure(b, self._key_len(held) + 1)
+        return self.ws._ensure(b, self._key_len(held, prefixes) + 1)
 
-    def _key_len(self, held: int) -> int:
-        """Keys a step attends over: the longest row's and its new token's; one more when prefixed (a row that just
-        joined its prefix entry holds one position of its own: a size-1 dimension would specialize)."""
-        return self._aligned(held + (2 if self.prefixed() else 1))
+    def _key_len(self, held: int, prefixes: bool) -> int:
+        """Keys a step attends over: the longest row's and its new token's; one more over prefix entries (a row that
+        just joined its entry holds one position of its own: a size-1 dimension would specialize)."""
+        return self._aligned(held + (2 if prefixes else 1))
 
     def _aligned(self, key_len: int) -> int:  # the key length attended over (masked past each row's length)
         return -(-key_len // self.key_align) * self.key_align
@@ -343,8 +343,9 @@ class StaticDecode:
                 self.runner._kernel, self.prefixed(), torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
     def prefixed(self) -> bool:
-        """Whether steps read shared prefixes in the graph (CPU kernel, layer regions, the workspace's shared
-        prefixes on): every step then passes the prefix store, empty or not, so one graph serves both."""
+        """Whether steps over prefix entries run in the graph (CPU kernel, layer regions, the workspace's shared
+        prefixes on): such steps pass the prefix store, and run their own graph (compiled at warm-up beside the
+        plain one, which steps without an entry keep: no per-step cost for them)."""
         return self.trust is not None and bool(self.runner._kernel) and self.ws.shared_prefix
 
     def _checked(self, args) -> torch.Tensor:
@@ -380,6 +381,13 @@ class StaticDecode:
                 for _ in range(2):  # guarded (it vouches for the layers), then trusted (compiles the copies)
                     ws.lengths = [2, 2]
                     self._call(args)
+                if self.prefixed():  # the graph of steps over prefix entries (stand-in store, no row reads it)
+                    args = args[:-1] + (step_prefix(self, len(args[0])),)
+                    ws.lengths = [2, 2]
+                    self._checked(args)
+                    for _ in range(2):
+                        ws.lengths = [2, 2]
+                        self._call(args)
                 ws.advance()
         finally:
             ws.arrange([], [], [])
