@@ -160,10 +160,14 @@ class EngineBackend(Backend):
                   f"preemptions {st.get('num_preemptions')}; peak memory includes the preallocated "
                   f"{st['kv_cache_bytes'] / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
         if st.get("decode_backend") == "static":
+            if st.get("decode_shared_prefix"):
+                how = (f"steps reading a GRPO group's shared prompt once, from {st.get('decode_prefix_min_tokens')} "
+                       f"shared tokens, {'run in the graph' if st.get('decode_prefix_compiled') else 'are eager'}")
+            else:
+                how = "every row holds its whole history"
             notes.append(f"captured decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
                          f"timed), {st.get('decode_recompiles')} recompiles after it, "
-                         f"{st.get('decode_eager_steps')} steps run eager (steps reading a GRPO group's shared "
-                         f"prompt once, from {st.get('decode_prefix_min_tokens')} shared tokens, are eager), "
+                         f"{st.get('decode_eager_steps')} steps run eager ({how}), "
                          f"{st.get('decode_trusted_steps', 0) + st.get('decode_guarded_steps', 0)} captured")
         elif st.get("decode_backend_fallback"):
             notes.append(f"decode_backend='auto' fell back to the eager workspace: {st['decode_backend_fallback']}")

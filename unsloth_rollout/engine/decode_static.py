@@ -31,7 +31,8 @@ decoder layer's forward through ``torch.compile``, with shapes that never force 
   without the CPU kernel, rows that read a GRPO group's shared prompt from a prefix entry (``runner.decode``).
   With it (``prefixed``), such rows hold only their own positions and read their entry inside the graph: the
   prefix store, each row's entry and each entry's length are tensor inputs (each layer gets its store through
-  ``ForwardContext.prefix_kv``), passed on every step, entries or none, so one graph serves both.
+  ``ForwardContext.prefix_kv``), in a graph of their own, compiled at warm-up beside the plain one; the trust
+  state (``_state``) says which a step runs, so steps without an entry pay nothing for it.
 - Dynamo's guards (~150 us a layer call) are checked on the steps after the model may have changed; the other
   steps call trusted copies of the region (``decode_trust.py``).
 
@@ -253,7 +254,7 @@ class StaticDecode:
         held = self.ws.own_lengths if prefix is not None else list(lengths)  # the positions each row holds
         if prefix is not None:
             lens_t = torch.tensor(held + pad, device=self.device)
-            self.ws.prefix_steps += self.ws.has_prefixes
+            self.ws.prefix_steps += 1
         key_len = self._key_len(max(held), prefix is not None)
         # one spare position: a view never spans the whole capacity (dynamo would guard on that equality)
         if not self.ws._ensure(b, key_len + 1):  # padded rows write position 0 of spare rows: masked, refilled on join
