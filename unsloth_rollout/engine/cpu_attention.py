@@ -201,15 +201,21 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """``query`` ``[B, H, 1, D]`` over ``key`` / ``value`` ``[B, KV, L, D]`` (row i: keys lo[i] .. hi[i] - 1):
     the output ``[B, KV, G, D]`` (query head ``kv * G + g``, as transformers' ``repeat_kv`` maps them) and its
     log-sum-exp ``[B, KV, G]``. It is the op ``unsloth_rollout::decode_attention`` (a compiled graph calls it)."""
+    qg, scale, direct = _prepare(query, key, scale)
+    if direct:
+        return _run(qg, key, value, lo, hi, scale)  # the Python op's own body, without its dispatch
+    return _op(qg, key, value, lo, hi, scale)
+
+
+def _prepare(query: torch.Tensor, key: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float, bool]:
+    """(the queries grouped by KV head ``[B, KV, G, D]``, the scale, whether to call the Python op's body directly:
+    the op is the Python one and no graph is being traced)."""
     if _library() is None:
         raise RuntimeError(f"CPU decode attention kernel unavailable: {_error or 'disabled'}")
     b, h, _, d = query.shape
     kvh = key.shape[1]
-    qg = query.reshape(b, kvh, h // kvh, d)
     scale = d ** -0.5 if scale is None else float(scale)
-    if _op_error is not None and not torch.compiler.is_compiling():
-        return _run(qg, key, value, lo, hi, scale)  # the Python op's own body, without its dispatch
-    return _op(qg, key, value, lo, hi, scale)
+    return query.reshape(b, kvh, h // kvh, d), scale, _op_error is not None and not torch.compiler.is_compiling()
 
 
 def decode_attention_prefixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor,
@@ -220,12 +226,7 @@ def decode_attention_prefixed(query: torch.Tensor, key: torch.Tensor, value: tor
     hi[i] - 1``, under one softmax: a GRPO group's samples read their shared prompt from one entry (rows of a group
     are neighbours, so after the first the entry comes from cache). The op
     ``unsloth_rollout::decode_attention_prefixed``; the compiled decode step calls it too."""
-    if _library() is None:
-        raise RuntimeError(f"CPU decode attention kernel unavailable: {_error or 'disabled'}")
-    b, h, _, d = query.shape
-    kvh = key.shape[1]
-    qg = query.reshape(b, kvh, h // kvh, d)
-    scale = d ** -0.5 if scale is None else float(scale)
-    if _op_error is not None and not torch.compiler.is_compiling():
+    qg, scale, direct = _prepare(query, key, scale)
+    if direct:
         return _run_prefixed(qg, key, value, lo, hi, pk, pv, row_entry, plen, scale)
     return _op_prefixed(qg, key, value, lo, hi, pk, pv, row_entry, plen, scale)
