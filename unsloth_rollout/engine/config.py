@@ -216,7 +216,7 @@ class EngineConfig:
             its own keys: ``cpu_attention.decode_attention_prefixed``). Served on CPU for models whose every layer
             attends with SDPA arithmetic over its whole history; elsewhere (and when False) every row holds its
             whole history. With the CPU kernel the compiled step serves these steps too (the prefix store is a
-            graph input); without it they run eager.
+            graph input; ``stats()["decode_prefix_compiled"]``); without it they run eager.
         shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32; 640 when the
             compiled "static" step runs without the CPU kernel, whose steps reading shared prefixes then run eager:
             compiled whole rows were faster there up to ~650-token prompts). With the kernel, on the bench's model
