@@ -378,17 +378,14 @@ class StaticDecode:
                 if ws.arrange(keys, [2, 2], [blocks, blocks]) is None:
                     return  # a workspace budget too small for two rows: every step gathers, eager
                 args = self._inputs([0, 0], [2, 2], [0, 0], [blocks, blocks])
-                self._checked(args)  # the cache-use guard, eager
-                for _ in range(2):  # guarded (it vouches for the layers), then trusted (compiles the copies)
+                # the plain step, and the step over prefix entries (a stand-in store that no row reads)
+                variants = [args] + ([args[:-1] + (step_prefix(self, len(args[0])),)] if self.prefixed() else [])
+                for a in variants:
                     ws.lengths = [2, 2]
-                    self._call(args)
-                if self.prefixed():  # the graph of steps over prefix entries (stand-in store, no row reads it)
-                    args = args[:-1] + (step_prefix(self, len(args[0])),)
-                    ws.lengths = [2, 2]
-                    self._checked(args)
-                    for _ in range(2):
+                    self._checked(a)  # the cache-use guard, eager
+                    for _ in range(2):  # guarded (it vouches for the layers), then trusted (compiles the copies)
                         ws.lengths = [2, 2]
-                        self._call(args)
+                        self._call(a)
                 ws.advance()
         finally:
             ws.arrange([], [], [])

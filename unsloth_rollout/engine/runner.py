@@ -274,7 +274,8 @@ class ModelRunner:
                 ws = self.workspace
                 prefixes = ws.has_prefixes
                 held = max(ws.own_lengths) if prefixes else max(lengths)  # the most positions a row holds
-                if names is None and (not prefixes or self.static.prefixed()) and self.static.fits(n_rows, held, prefixes):
+                servable = not prefixes or self.static.prefixed()
+                if names is None and servable and self.static.fits(n_rows, held, prefixes):
                     return self.static.run(tokens, lengths, deltas, block_tables)
                 # rows naming different adapters, shared prefixes without the CPU kernel, or no room to pad: eager
                 self.static.eager_steps += 1

@@ -258,48 +258,46 @@ static task_fn pick(int64_t D, int64_t G) {
     }
 }
 
-extern "C" int decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse,
-                                    const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
-                                    int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
-                                    int64_t vsh, int64_t vsl, float scale, int nthreads) {
-    task_fn fn = pick<false>(D, G);
+// Rows b < B, each KV head a task: row b's keys lo[b] .. hi[b] - 1, after prefix entry pe[b]'s keys when pe is
+// non-null and pe[b] >= 0 (the entry's keys 0 .. plen[e] - 1 of pk / pv, [E, KV, P, D] with strides psb / psh / psl).
+static int run(task_fn fn, const float *q, const float *k, const float *v, float *out, float *lse, const int64_t *lo,
+               const int64_t *hi, const float *pk, const float *pv, const int64_t *pe, const int64_t *plen, int64_t B,
+               int64_t KV, int64_t G, int64_t D, int64_t L, int64_t E, int64_t P, int64_t ksb, int64_t ksh,
+               int64_t ksl, int64_t vsb, int64_t vsh, int64_t vsl, int64_t pksb, int64_t pksh, int64_t pksl,
+               int64_t pvsb, int64_t pvsh, int64_t pvsl, float scale, int nthreads) {
     if (!fn) return 1;
-    for (int64_t b = 0; b < B; b++)  // never read outside the L keys of each row
+    for (int64_t b = 0; b < B; b++) {  // never read outside the L keys of each row, the P keys of each entry
         if (lo[b] < 0 || hi[b] > L || lo[b] > hi[b]) return 3;
+        if (pe && (pe[b] >= E || (pe[b] >= 0 && (plen[pe[b]] < 0 || plen[pe[b]] > P)))) return 4;
+    }
     int64_t tasks = B * KV;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = t / KV, h = t % KV;
+        int64_t b = t / KV, h = t % KV, e = pe ? pe[b] : -1;
+        const float *pkt = e >= 0 ? pk + e * pksb + h * pksh : 0, *pvt = e >= 0 ? pv + e * pvsb + h * pvsh : 0;
         fn(q + t * G * D, k + b * ksb + h * ksh, v + b * vsb + h * vsh, out + t * G * D, lse ? lse + t * G : 0,
-           lo[b], hi[b], ksl, vsl, scale, 0, 0, 0, 0, 0);
+           lo[b], hi[b], ksl, vsl, scale, pkt, pvt, e >= 0 ? plen[e] : 0, pksl, pvsl);
     }
     return 0;
 }
 
-// The same, where row b also attends to prefix entry pe[b] (pe[b] < 0: none): that entry's keys 0 .. plen[e] - 1
-// of pk / pv ([E, KV, P, D] with strides psb / psh / psl), before its own keys, under one softmax. A GRPO group's
-// samples hold only their own positions and share their prompt's entry; consecutive rows of a group read it
-// from cache rather than memory.
+extern "C" int decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse,
+                                    const int64_t *lo, const int64_t *hi, int64_t B, int64_t KV, int64_t G,
+                                    int64_t D, int64_t L, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb,
+                                    int64_t vsh, int64_t vsl, float scale, int nthreads) {
+    return run(pick<false>(D, G), q, k, v, out, lse, lo, hi, 0, 0, 0, 0, B, KV, G, D, L, 0, 0, ksb, ksh, ksl, vsb,
+               vsh, vsl, 0, 0, 0, 0, 0, 0, scale, nthreads);
+}
+
+// The same, where row b also attends to prefix entry pe[b] (pe[b] < 0: none), before its own keys, under one
+// softmax. A GRPO group's samples hold only their own positions and share their prompt's entry; consecutive rows
+// of a group read it from cache rather than memory.
 extern "C" int decode_attention_prefixed_f32(
     const float *q, const float *k, const float *v, float *out, float *lse, const int64_t *lo, const int64_t *hi,
     const float *pk, const float *pv, const int64_t *pe, const int64_t *plen, int64_t B, int64_t KV, int64_t G,
     int64_t D, int64_t L, int64_t E, int64_t P, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb, int64_t vsh,
     int64_t vsl, int64_t pksb, int64_t pksh, int64_t pksl, int64_t pvsb, int64_t pvsh, int64_t pvsl, float scale,
     int nthreads) {
-    task_fn fn = pick<true>(D, G);
-    if (!fn) return 1;
-    for (int64_t b = 0; b < B; b++) {  // never read outside the L keys of each row, the P keys of each entry
-        if (lo[b] < 0 || hi[b] > L || lo[b] > hi[b]) return 3;
-        if (pe[b] >= E) return 4;
-        if (pe[b] >= 0 && (plen[pe[b]] < 0 || plen[pe[b]] > P)) return 4;
-    }
-    int64_t tasks = B * KV;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = t / KV, h = t % KV, e = pe[b];
-        const float *pkt = e >= 0 ? pk + e * pksb + h * pksh : 0, *pvt = e >= 0 ? pv + e * pvsb + h * pvsh : 0;
-        fn(q + t * G * D, k + b * ksb + h * ksh, v + b * vsb + h * vsh, out + t * G * D, lse ? lse + t * G : 0,
-           lo[b], hi[b], ksl, vsl, scale, pkt, pvt, e >= 0 ? plen[e] : 0, pksl, pvsl);
-    }
-    return 0;
+    return run(pick<true>(D, G), q, k, v, out, lse, lo, hi, pk, pv, pe, plen, B, KV, G, D, L, E, P, ksb, ksh, ksl,
+               vsb, vsh, vsl, pksb, pksh, pksl, pvsb, pvsh, pvsl, scale, nthreads);
 }
