@@ -186,13 +186,15 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
         trusted0 = st.trust.trusted_steps
         outs = engine.generate(greedy + sampled)
         assert st.trust.trusted_steps - trusted0 >= 10 and st.eager_steps == 0 and st.recompiles == 0
-        graphs = st.trust.graphs
-        assert graphs is not None and len(graphs) == len(st._layers)
+        graphs, units = st.trust.graphs, st._units  # a graph per unit of consecutive layers of one kind
+        assert graphs is not None and len(graphs) == len(units) and sum(map(len, units)) == len(st._layers)
         if kinds:
             assert len(set(kinds)) > 1, kinds
+            assert all(len({kinds[i] for i in u}) == 1 for u in units), (family, kinds, units)
             for i in range(len(graphs)):
                 for j in range(len(graphs)):
-                    assert graphs[i] != graphs[j] or kinds[i] == kinds[j], (family, kinds, graphs)
+                    same = kinds[units[i][0]] == kinds[units[j][0]] and len(units[i]) == len(units[j])
+                    assert graphs[i] != graphs[j] or same, (family, kinds, units, graphs)
         with torch.no_grad():
             for r, o in zip(greedy, outs[:4]):
                 assert_greedy_matches(policy, r.input_ids, o.output_ids, _greedy(policy, r.input_ids, 14), label=family)

@@ -12,7 +12,8 @@ not arithmetic. ``batch`` sequences with distinct random prompts of ``context`` 
   disturbed prefill could make negative.)
 - each engine decode backend: an ``EngineCore`` built (``warmup_s``: its construction, which compiles the
   captured step), the prompts prefilled, then ``steps`` decode steps timed; recompiles = torch._dynamo graphs
-  compiled after construction.
+  compiled after construction. ``<backend>@<n>``: with ``EngineConfig.decode_layers_per_call=n`` (``auto@1``:
+  the default with one decoder layer per compiled call, as before units, engine/decode_units.py).
 
 Rounds alternate HF and the backends so load changes on a shared machine hit all alike; figures are medians.
 
@@ -79,6 +80,7 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
            "warmup_s": st.warmup_s if st is not None else 0.0,
            "graphs_at_warmup": g1 - g0, "recompiles_after_warmup": _graphs() - g1,
            "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_backend,
+           "layers_per_call": getattr(st, "unit_size", None),
            "guarded_steps": trust.guarded_steps - g if trust is not None else None,
            "trusted_steps": trust.trusted_steps - tr if trust is not None else None}
     del core
@@ -109,7 +111,7 @@ def run(model="tiny-lm", layers=8, batch=64, context=256, steps=32, backends=("w
                       "vs_hf": statistics.median(r["step_ms"] for r in rs) / hf,
                       "warmup_s_first": rs[0]["warmup_s"], "warmup_s_max": max(r["warmup_s"] for r in rs),
                       "recompiles_after_warmup": sum(r["recompiles_after_warmup"] for r in rs),
-                      "ran": sorted({r.get("ran") for r in rs})}
+                      "ran": sorted({r.get("ran") for r in rs}), "layers_per_call": rs[0].get("layers_per_call")}
     return {"command": (f"python -m unsloth_rollout.bench.captured --model {model} --layers {layers} --batch {batch} "
                         f"--context {context} --steps {steps} --backends {','.join(backends)} --rounds {rounds} "
                         f"--lora-rank {lora} --seed {seed}"),
@@ -129,7 +131,9 @@ def markdown(rep: dict) -> str:
         if name == "hf":
             lines.append(f"| HF generate() | {s['step_ms']:.1f} | 1.00x | - | - |")
         else:
-            label = f"engine {name}" if name != "auto" else f"engine default (auto: {'/'.join(s.get('ran', []))})"
+            label = f"engine {name}" if not name.startswith("auto") else f"engine default (auto: {'/'.join(s['ran'])})"
+            if s.get("layers_per_call"):
+                label += f", {s['layers_per_call']} layer{'s' if s['layers_per_call'] > 1 else ''} per compiled call"
             lines.append(f"| {label} | {s['step_ms']:.1f} | {s['vs_hf']:.2f}x | {s['warmup_s_first']:.1f} / "
                          f"{s['warmup_s_max']:.1f} | {s['recompiles_after_warmup']} |")
     return "\n".join(lines) + "\n"

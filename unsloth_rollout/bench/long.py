@@ -70,6 +70,13 @@ WHOLE_ROWS = "-whole-rows"
 BACKENDS = ("auto", *DECODE_BACKENDS)
 
 
+def backend_spec(backend: str) -> tuple[str, bool, int | None]:
+    """(decode backend, whole rows, decoder layers per compiled call) of ``<backend>[-whole-rows][@<layers>]``
+    (``auto@1``: the default backend with EngineConfig.decode_layers_per_call=1)."""
+    name, _, per_call = backend.partition("@")
+    return name.removesuffix(WHOLE_ROWS), name.endswith(WHOLE_ROWS), int(per_call) if per_call else None
+
+
 def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int, group: int = 1,
           min_prefix: int | None = None):
     """An engine core with ``batch`` random prompts of ``context`` tokens prefilled and joined: distinct, or
@@ -83,10 +90,10 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int,
 
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     kv_bytes = int(per_token * batch * (context + steps + 64) * 1.1)
-    whole = backend.endswith(WHOLE_ROWS)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=backend.removesuffix(
-        WHOLE_ROWS), max_num_seqs=batch, shared_prefix_decode=not whole, shared_prefix_min_tokens=min_prefix),
-        seed=seed)
+    name, whole, per_call = backend_spec(backend)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=name, max_num_seqs=batch,
+                                           shared_prefix_decode=not whole, shared_prefix_min_tokens=min_prefix,
+                                           decode_layers_per_call=per_call), seed=seed)
     g = torch.Generator().manual_seed(seed)
     vocab = len(policy.tokenizer)
     ids = None
@@ -199,10 +206,11 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         raise ValueError(f"--contexts needs two or more distinct positive lengths, got {contexts}")
     if batch < 1 or steps < 2:
         raise ValueError(f"--batch must be >= 1 and --steps >= 2, got --batch {batch}, --steps {steps}")
-    bad = [b for b in backends if b.removesuffix(WHOLE_ROWS) not in BACKENDS]
+    bad = [b for b in backends if b.partition("@")[0].removesuffix(WHOLE_ROWS) not in BACKENDS
+           or not (b.partition("@")[2] or "1").isdigit()]
     if bad:
         raise ValueError(f"--backends for --workload long: decode backends {', '.join(BACKENDS)}, each also as "
-                         f"<backend>{WHOLE_ROWS}; got {bad}")
+                         f"<backend>{WHOLE_ROWS} and <backend>@<decoder layers per compiled call>; got {bad}")
     if group < 1 or batch % group:
         raise ValueError(f"--group for --workload long must divide --batch {batch}, got {group}")
     path = model_path(model)

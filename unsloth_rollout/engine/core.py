@@ -82,7 +82,7 @@ class EngineCore:
         self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
                                   config.prefill_chunk_tokens, self._vision_ids, config.decode_workspace_bytes,
                                   config.shared_prefix_decode, config.cpu_attention_kernel,
-                                  config.shared_prefix_min_tokens)
+                                  config.shared_prefix_min_tokens, config.decode_layers_per_call)
         self.runner.weights_clock = self.weights = WeightsClock()  # the captured step re-checks on a change
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)

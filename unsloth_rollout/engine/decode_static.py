@@ -8,11 +8,12 @@ Python and dispatcher, while the arithmetic is near zero. This backend runs the 
 decoder layer's forward through ``torch.compile``, with shapes that never force a recompile as sequences grow:
 
 - Region ``"layer"`` (the default): the model's forward runs eager outside its decoder layers (embedding,
-  rotary, final norm, head: a few ops), and every decoder layer calls one compiled function with the layer as
-  an argument. Parameters are graph inputs (dynamo's ``inline_inbuilt_nn_modules``) and each layer gets its own
-  pool and workspace tensors (``LayerView``), so one graph serves all layers: warm-up is one layer's compile,
-  whatever the depth (36 layers: ~30 s on a loaded 2-core CPU, where region ``"model"``, the whole forward as
-  one graph, took minutes and grows with depth).
+  rotary, final norm, head: a few ops), and its decoder layers run in units of up to 4 consecutive layers of
+  one kind (``EngineConfig.decode_layers_per_call``; decode_units.py), each unit one call of one compiled
+  function with the layers as an argument. Parameters are graph inputs (dynamo's ``inline_inbuilt_nn_modules``)
+  and each layer gets its own pool and workspace tensors (``LayerView``), so one graph serves all units of a
+  size and kind: warm-up compiles a unit or two, whatever the depth (region ``"model"``, the whole forward as
+  one graph, took minutes on a 2-core CPU and grows with depth).
 
 - The KV history lives in the decode workspace rows (``DecodeWorkspace``, filled once when a sequence joins,
   outside the graph); each step the graph writes the new token into the paged pool and into its row in place,
@@ -52,6 +53,7 @@ import torch
 from ..logs import get_logger
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
 from .decode_trust import LayerTrust
+from .decode_units import Lead, Ungrouped, decoder_layers, layer_hooked, plan_units, unit_size, units_call
 from .decode_views import LayerView, StaticView, step_prefix
 
 log = get_logger("unsloth_rollout")
@@ -99,26 +101,10 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _layer_call(layer, *args, **kwargs):
-    """What the compiled region runs: one decoder layer (the same code object for every layer, so with
-    parameters as graph inputs one graph serves all layers of one kind)."""
-    return type(layer).forward(layer, *args, **kwargs)
-
-
-def decoder_layers(model, num_layers: int) -> list:
-    """The text decoder's layers: the ModuleList of ``num_layers`` modules with a ``self_attn`` that has a
-    ``layer_idx`` (a vision tower's blocks have no layer_idx)."""
-    for mod in model.modules():
-        if (isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers
-                and all(getattr(getattr(m, "self_attn", None), "layer_idx", None) is not None for m in mod)):
-            return list(mod)
-    raise RuntimeError(f"static decode: no list of {num_layers} decoder layers found in {type(model).__name__}")
-
-
 class StaticDecode:
     """The compiled decode over a ``DecodeWorkspace``; ``decode`` has the eager workspace decode's contract."""
 
-    def __init__(self, runner, mode: str | None = None, region: str = "layer"):
+    def __init__(self, runner, mode: str | None = None, region: str = "layer", unit: int | None = None):
         self.runner = runner
         self.ws = runner.workspace
         self.device = runner.device
@@ -137,16 +123,16 @@ class StaticDecode:
             self.graphs = decode_graphs.DecodeGraphs(self)
         # "layer": every decoder layer runs one shared compiled graph (compile time independent of depth);
         # "model": the whole forward is one graph (compile time grows with depth).
-        self.region = region
+        self.region, self.mode = region, mode
         if region == "layer":
             self._layers = decoder_layers(runner.policy.model, runner.num_layers)
             self._windows = sorted({getattr(l.self_attn, "sliding_window", None) or None for l in self._layers},
                                    key=lambda w: -1 if w is None else w)
-            # dynamo's guards are checked on the steps after a possible change, trusted between (decode_trust.py)
-            self.trust = LayerTrust(_layer_call, self._layers, mode)
+            self.unit_size = unit_size(unit, getattr(getattr(runner.policy.model, "config", None), "model_type", None))
+            self._plan(self.unit_size)
             self._fn = self._step_layers
         else:
-            self.trust = None
+            self.trust, self.unit_size = None, None
             self._fn = torch.compile(self._step, mode=mode, dynamic=None)
         self.warmup_s = 0.0
         self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
@@ -174,13 +160,19 @@ class StaticDecode:
             ctx.verify(r.policy.model, r.num_layers)
         return out.logits[:, -1, :]
 
+    def _plan(self, size: int) -> None:
+        """Decoder layers in units of up to ``size`` (decode_units.py), each unit one compiled call; dynamo's
+        guards are checked on the steps after a possible change, trusted between (decode_trust.py)."""
+        self.unit_size, self._units = size, plan_units(self._layers, size)
+        self.trust = LayerTrust(units_call, [[self._layers[i] for i in u] for u in self._units], self.mode)
+
     def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v,
                      prefix=None):
-        """The model's own forward, eager outside its decoder layers; each layer runs the compiled region.
+        """The model's own forward, eager outside its decoder layers; each unit of layers runs the compiled region.
         ``prefix`` (a ``StaticPrefix``): the rows' shared prefixes; ``lengths`` are then the rows' own positions."""
         r = self.runner
         layers, trust, state = self._layers, self.trust, self._state(prefix is not None)
-        # ran: None on a trusted step, else filled with the graphs each layer ran; mark: a region may trace now
+        # ran: None on a trusted step, else filled with the graphs each unit ran; mark: a region may trace now
         # (a trace must keep the batch and the context dynamic; a trusted copy already traced never traces)
         fns, ran, mark = trust.fns(state)
         if mark:
@@ -202,30 +194,38 @@ class StaticDecode:
         rows = view.rows
         if mark:
             torch._dynamo.mark_dynamic(rows, 0)
+        units = self._units
+        if len(units) < len(layers) and layer_hooked(layers):  # a hooked layer must see its own input and output
+            raise Ungrouped("a decoder layer has a forward hook")
 
-        def region(i, layer):
-            lv = LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
-            fn = fns[i]
-            lctx = None
+        def cache(i, kwargs):  # layer i's own pool and workspace tensors (and its prefix store)
+            c = {k: LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
+                 for k, v in kwargs.items() if v is view}
             if prefix is not None:  # this layer's prefix store, as a tensor input (not a list index)
                 lctx = copy.copy(ctx)
                 lctx.prefix_kv = (prefix.pk[i], prefix.pv[i])
+                c[CTX_KWARG] = lctx
+            return c
+
+        def leader(u, unit):
+            fn, mods, lead = fns[u], [layers[i] for i in unit], Lead()
 
             def forward(hidden_states, *args, **kwargs):
-                for k, v in kwargs.items():
-                    if v is view:
-                        kwargs[k] = lv
-                if lctx is not None:
-                    kwargs[CTX_KWARG] = lctx
+                lead.args, lead.kwargs = args, dict(kwargs)
                 if mark:
                     torch._dynamo.mark_dynamic(hidden_states, 0)
                     for t in kwargs.get("position_embeddings") or ():
                         torch._dynamo.mark_dynamic(t, 0)
-                return trust.call(fn, ran, i, layer, hidden_states, *args, **kwargs)
-            return forward
+                caches = [cache(i, kwargs) for i in unit]
+                lead.out = trust.call(fn, ran, u, mods, caches, hidden_states, *args, **kwargs)
+                return lead.out
+            return forward, lead
 
-        for i, layer in enumerate(layers):
-            layer.forward = region(i, layer)
+        for u, unit in enumerate(units):
+            forward, lead = leader(u, unit)
+            layers[unit[0]].forward = forward
+            for i in unit[1:]:
+                layers[i].forward = lambda h, *a, _lead=lead, **kw: _lead.follow(h, a, kw)
         try:
             out = r.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                  use_cache=True, logits_to_keep=1, **{r._cache_arg: view, CTX_KWARG: ctx})
@@ -361,7 +361,12 @@ class StaticDecode:
         try:
             if fn is not None:
                 return fn(*args)
-            return self._fn(*args)
+            try:
+                return self._fn(*args)
+            except Ungrouped as e:  # K/V of this step's layers rewritten below, to the same positions
+                log.warning("static decode: %s; decoder layers run one per compiled call from now on", e)
+                self._plan(1)
+                return self._fn(*args)
         finally:
             cfg._attn_implementation_internal = saved
 

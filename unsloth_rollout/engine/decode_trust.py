@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
-LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
+LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE", "DUPLICATE_INPUT",
                          "DETERMINISTIC_ALGORITHMS"})
 _copies = itertools.count()
 
@@ -96,8 +96,8 @@ def _hooks_now(hooked: list) -> tuple:
 class LayerTrust:
     """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
 
-    def __init__(self, fn, layers: list, mode):
-        self.fn, self.layers, self.mode = fn, layers, mode
+    def __init__(self, fn, units: list, mode):
+        self.fn, self.units, self.mode = fn, units, mode  # units: lists of consecutive decoder layers
         self.backend = tagged_backend(mode)
         self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
                                      **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
@@ -124,7 +124,7 @@ class LayerTrust:
             fresh = any(g not in self.copies for g in self.graphs)
             return [self._copy(g) for g in self.graphs], None, fresh
         self.guarded_steps += 1
-        return [self.guarded] * len(self.layers), [None] * len(self.layers), True
+        return [self.guarded] * len(self.units), [None] * len(self.units), True
 
     def call(self, fn, ran: list | None, i: int, *args, **kwargs):
         if ran is None:
@@ -139,11 +139,11 @@ class LayerTrust:
         return out
 
     def vouch(self, ran: list, state) -> None:
-        """After a guarded step: trust its layers when every one ran as exactly one compiled graph."""
+        """After a guarded step: trust its units when every one ran as exactly one compiled graph."""
         self.since = 0
         if self.enabled and all(len(g) == 1 for g in ran):
             self.graphs, self.state = [g[0] for g in ran], state
-            self.dicts = [m.__dict__ for layer in self.layers for m in layer.modules()]
+            self.dicts = [m.__dict__ for unit in self.units for layer in unit for m in layer.modules()]
             self.forwards = _forwards(self.dicts)
             self.hooked = [h for d in self.dicts for h in (d["_forward_hooks"], d["_forward_pre_hooks"]) if h]
             self.hooks = _hooks_now(self.hooked)

@@ -57,7 +57,9 @@ class LayerView(CacheView):
 
 def step_prefix(static, b: int) -> StaticPrefix:
     """A step's ``StaticPrefix`` over ``b`` (padded) rows of ``static``'s workspace: the prefix store's tensors,
-    or two zero stand-ins (two entries of 16 positions: no size-1 dimension to specialize) when it holds none."""
+    or zero stand-ins (two entries of 16 positions: no size-1 dimension to specialize) when it holds none. A
+    stand-in per layer and per K / V, as the store has: a compiled unit of layers (decode_units.py) traced with
+    one tensor for two layers' stores would read one layer's entries for both."""
     ws = static.ws
     if ws.pk:
         pk, pv = ws.pk, ws.pv
@@ -65,6 +67,6 @@ def step_prefix(static, b: int) -> StaticPrefix:
         if static._no_store is None:
             c = static.runner.kv
             static._no_store = [torch.zeros((2, c.num_kv_heads, 16, c.head_dim), dtype=c.dtype, device=c.device)
-                                for _ in range(2)]
-        pk, pv = [static._no_store[0]] * len(ws.k), [static._no_store[1]] * len(ws.k)
+                                for _ in range(2 * len(ws.k))]
+        pk, pv = static._no_store[0::2], static._no_store[1::2]
     return StaticPrefix(pk, pv, *step_tensors(ws.row_entry, ws.plens, pk[0].shape[0], b, static.device))

@@ -39,7 +39,7 @@ class ModelRunner:
                  decode_backend: str = "workspace", prefill_chunk_tokens: int | None = None,
                  vision_token_ids=frozenset(), decode_workspace_bytes: int | None = None,
                  shared_prefix_decode: bool = True, cpu_attention_kernel: bool = True,
-                 shared_prefix_min_tokens: int | None = None):
+                 shared_prefix_min_tokens: int | None = None, decode_layers_per_call: int | None = None):
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -83,7 +83,7 @@ class ModelRunner:
         if self.decode_backend == "static":
             from .decode_static import StaticDecode
 
-            self.static = StaticDecode(self, compile_mode)
+            self.static = StaticDecode(self, compile_mode, unit=decode_layers_per_call)
 
     def _set_min_prefix(self) -> None:
         """Fewest shared positions worth a prefix entry: the config's, else 32, or ``STATIC_MIN_PREFIX`` when the

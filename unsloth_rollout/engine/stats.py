@@ -46,7 +46,8 @@ def engine_stats(engine) -> dict:
                  decode_guarded_steps=st.trust.guarded_steps if st.trust is not None else st.steps,
                  decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0,
                  decode_failed_trusted_steps=st.trust.failed_trusted if st.trust is not None else 0,
-                 decode_prefix_compiled=st.prefixed())  # steps over shared-prefix entries run in the graph
+                 decode_prefix_compiled=st.prefixed(),  # steps over shared-prefix entries run in the graph
+                 decode_layers_per_call=st.unit_size)  # decoder layers per compiled call (decode_units.py)
         if (g := st.graphs) is not None:  # compile_mode="cuda-graphs" (decode_graphs.py)
             s.update(decode_graph_captures=g.captures, decode_graph_replays=g.replays,
                      decode_graph_invalidations=g.invalidations, decode_graphs_disabled=g.disabled)
