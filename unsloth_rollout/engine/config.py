@@ -198,8 +198,9 @@ class EngineConfig:
             the shared layout when they join: ``["decode_prefix_rehomed"]``).
             "static" (engine/decode_static.py): the workspace rows read by one compiled decode step (dynamic
             batch and context: no recompiles as sequences grow), compiled at engine start
-            (``stats()["decode_warmup_s"]``: one decoder layer's compile per kind of layer, ~5-30 s on a 2-core
-            CPU whatever the depth, ~1-4 s when inductor's on-disk cache holds it); ``compile_mode`` is its
+            (``stats()["decode_warmup_s"]``: one unit of decoder layers compiled per kind of layer,
+            ``decode_layers_per_call`` below; 19 s for units of 4 on a 2-core CPU whatever the depth, ~8 s when
+            inductor's on-disk cache holds it, benchmarks/cpu/captured.md); ``compile_mode`` is its
             torch.compile mode, or "cuda-graphs": the step replayed whole as one CUDA graph per (batch bucket,
             128-token key bucket), each graph's first replays checked against the unrecorded step
             (engine/decode_graphs.py; CUDA only, off by default: not yet measured on a GPU). Steps it cannot serve (rows naming different adapters, a batch past the
