@@ -14,7 +14,8 @@ prefill, so the difference in wall time is the time of ``B x --decode`` decode t
         [--decode-backend workspace,static] [--hf-batches 1,64] [--json OUT]
 
 ``--decode-backend`` is ``EngineConfig.decode_backend``, or several separated by commas, each run on the same
-loaded model in turn (default "auto": on CUDA the eager workspace step; "static": the captured step, compiled at
+loaded model in turn (``static@1``: with ``EngineConfig.decode_layers_per_call=1``; default "auto": on CUDA the
+eager workspace step; "static": the captured step, compiled at
 engine start). The JSON has one entry per backend under ``runs``, each with the backend that ran, its warm-up
 and its recompiles, so the eager and captured sweeps of one model compare side by side. ``--hf-batches`` also
 times HF ``generate()`` (the same model, prompts and difference of two runs) at those batch sizes.
@@ -144,16 +145,19 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)
 
-    for backend in args.decode_backend.split(","):
+    for spec in args.decode_backend.split(","):
         t0 = time.perf_counter()
+        backend, _, per_call = spec.partition("@")  # static@1: one decoder layer per compiled call
         graphs = backend == "graphs"  # the captured step replayed as CUDA graphs (compile_mode="cuda-graphs")
         engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                                                     max_num_seqs=max(batches),
                                                     decode_backend="static" if graphs else backend,
-                                                    compile_mode="cuda-graphs" if graphs else None))
+                                                    compile_mode="cuda-graphs" if graphs else None,
+                                                    decode_layers_per_call=int(per_call) if per_call else None))
         st = engine.stats()
-        run = {"decode_backend_requested": backend,
-               "decode_backend": "graphs" if graphs else st.get("decode_backend"),
+        run = {"decode_backend_requested": spec, "decode_layers_per_call": st.get("decode_layers_per_call"),
+               "decode_backend": (("graphs" if graphs else st.get("decode_backend"))
+                                  + (f"@{per_call}" if per_call else "")),
                "engine_start_s": time.perf_counter() - t0, "decode_warmup_s": st.get("decode_warmup_s"),
                "results": []}
         report["runs"].append(run)

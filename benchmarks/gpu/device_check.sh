@@ -43,7 +43,9 @@ MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
 HF_BATCHES=${HF_BATCHES:-1,64}  # HF generate() beside the engine in the `all` sweep
 PASSES=${PASSES:-2}             # the `all` sweep's passes over BATCHES per backend (the second: settled)
-SWEEP=${SWEEP:-workspace,static,graphs}  # the `all` sweep's decode backends (graphs: compile_mode="cuda-graphs")
+SWEEP=${SWEEP:-workspace,static,static@1,graphs}  # the `all` sweep's decode backends (graphs: compile_mode=
+# "cuda-graphs"; static@1: one decoder layer per compiled call, the default is units of 4; each backend's JSON
+# is written as it ends, so a sweep cut by its step limit keeps the backends before)
 DEADLINE=${DEADLINE:-580}       # the `all` variant starts the NF4 sweep only with more than 60 s of this left
 KV=${KV:-16GiB}           # engine KV cache budget
 CARRY_LIMIT=$((64 << 20))
@@ -232,10 +234,10 @@ for v in "${VARIANTS[@]}"; do
     captured)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
       build_model qwen2_5_vl
-      for DB in workspace static; do
-        step decode_vl_${SIZE}_bf16_$DB 180 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
+      for DB in workspace static static@1; do
+        step decode_vl_${SIZE}_bf16_${DB/@/_l} 180 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
           --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend $DB \
-          --json "$OUT/decode_vl_${SIZE}_bf16_$DB.json"
+          --json "$OUT/decode_vl_${SIZE}_bf16_${DB/@/_l}.json"
       done
       ;;
     text)
