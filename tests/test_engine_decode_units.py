@@ -84,12 +84,18 @@ def test_default_units_for_a_listed_family(policy):
         engine.shutdown()
 
 
-def test_a_hooked_decoder_layer_runs_layer_by_layer(policy):
-    """A forward hook on one decoder layer (it changes the layer's output) must see that layer's own input and
-    output: units are dropped, and the tokens are HF generate's with the same hook."""
+@pytest.mark.parametrize("where", ["layer", "global"])
+def test_a_hooked_decoder_layer_runs_layer_by_layer(policy, where):
+    """A forward hook on one decoder layer, or a global module hook that changes that layer's output, must see the
+    layer's own input and output: units are dropped, and the tokens are HF generate's with the same hook."""
+    from torch.nn.modules.module import register_module_forward_hook
+
     engine = _engine(policy, 3)
     layer = engine.core.runner.static._layers[1]
-    handle = layer.register_forward_hook(lambda mod, args, out: out * 1.5)
+    if where == "layer":
+        handle = layer.register_forward_hook(lambda mod, args, out: out.mul_(1.5))
+    else:  # in place: the next layer is handed the same object (the followers' check alone would not see it)
+        handle = register_module_forward_hook(lambda mod, args, out: out.mul_(1.5) if mod is layer else None)
     try:
         st = engine.core.runner.static
         assert st.unit_size == 3

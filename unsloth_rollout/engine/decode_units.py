@@ -71,8 +71,11 @@ def unit_size(requested: int | None, model_type: str | None) -> int:
 
 
 def layer_hooked(layers: list) -> bool:
-    """A decoder layer (the module itself) has a forward hook or pre-hook: it must see its own input and output."""
-    return any(l._forward_hooks or l._forward_pre_hooks for l in layers)
+    """A decoder layer (the module itself) has a forward hook or pre-hook, or a global one exists (it runs on every
+    module): such a hook must see each layer's own input and output."""
+    g = torch.nn.modules.module
+    return bool(g._global_forward_hooks or g._global_forward_pre_hooks
+                or any(l._forward_hooks or l._forward_pre_hooks for l in layers))
 
 
 class Lead:
