@@ -28,12 +28,18 @@ def test_freed_activations_are_reused_without_page_faults(qwen2_dir):
         t = torch.empty(4 << 20)  # 16 MiB, an activation's size at a long prefill
         t.fill_(1.0)
         del t
-    before = _faults()
-    for _ in range(5):
-        t = torch.empty(4 << 20)
-        t.fill_(1.0)
-        del t
-    assert _faults() - before < pages // 10, "freed memory was handed back and faulted in again"
+    # Three windows of five: the best must be near zero. (Late in a long test process the heap is fragmented by
+    # earlier tests, and one allocation may still land on a fresh region once; memory handed back would fault in
+    # all 4096 pages at every allocation of every window.)
+    windows = []
+    for _ in range(3):
+        before = _faults()
+        for _ in range(5):
+            t = torch.empty(4 << 20)
+            t.fill_(1.0)
+            del t
+        windows.append(_faults() - before)
+    assert min(windows) < pages // 10, f"freed memory was handed back and faulted in again: {windows}"
 
 
 def test_the_setting_is_a_named_boolean():
