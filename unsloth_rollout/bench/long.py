@@ -77,6 +77,14 @@ def backend_spec(backend: str) -> tuple[str, bool, int | None]:
     return name.removesuffix(WHOLE_ROWS), name.endswith(WHOLE_ROWS), int(per_call) if per_call else None
 
 
+def _known(backend: str) -> bool:
+    try:
+        name, _, per_call = backend_spec(backend)
+    except ValueError:  # @ not followed by an integer
+        return False
+    return name in BACKENDS and (per_call is None or per_call >= 1)
+
+
 def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int, group: int = 1,
           min_prefix: int | None = None):
     """An engine core with ``batch`` random prompts of ``context`` tokens prefilled and joined: distinct, or
@@ -206,8 +214,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         raise ValueError(f"--contexts needs two or more distinct positive lengths, got {contexts}")
     if batch < 1 or steps < 2:
         raise ValueError(f"--batch must be >= 1 and --steps >= 2, got --batch {batch}, --steps {steps}")
-    bad = [b for b in backends if b.partition("@")[0].removesuffix(WHOLE_ROWS) not in BACKENDS
-           or not (b.partition("@")[2] or "1").isdigit()]
+    bad = [b for b in backends if not _known(b)]
     if bad:
         raise ValueError(f"--backends for --workload long: decode backends {', '.join(BACKENDS)}, each also as "
                          f"<backend>{WHOLE_ROWS} and <backend>@<decoder layers per compiled call>; got {bad}")

@@ -128,8 +128,7 @@ class StaticDecode:
             self._layers = decoder_layers(runner.policy.model, runner.num_layers)
             self._windows = sorted({getattr(l.self_attn, "sliding_window", None) or None for l in self._layers},
                                    key=lambda w: -1 if w is None else w)
-            self.unit_size = unit_size(unit, getattr(getattr(runner.policy.model, "config", None), "model_type", None))
-            self._plan(self.unit_size)
+            self._plan(unit_size(unit, runner.policy.config))
             self._fn = self._step_layers
         else:
             self.trust, self.unit_size = None, None

@@ -3,9 +3,9 @@
 Dynamo checks a compiled region's guards on every call: for a LoRA decoder layer ~800 of them (each module's
 hooks, type, parameters, attributes), ~150 us a call, ~5 ms of a 36-layer decode step. So the layer region exists
 twice. The *guarded* copy checks everything, and while it runs, ``TaggedInductor`` records which compiled graph
-served each unit of layers (decode_units.py). The *trusted* copies, one per graph (each its own code object, so its entries never serve
-another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations, the global autograd state, and which
-inputs are one tensor (a graph traced with one tensor for two inputs reads it for both).
+served each unit of layers (decode_units.py). The *trusted* copies, one per graph (each its own code object, so
+its entries never serve another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations, the global
+autograd state, and which inputs are one tensor (a graph traced with one tensor for two inputs reads it for both).
 
 ``LayerTrust`` decides which runs. A guarded step runs first, then whenever the model may have changed:
 - the state the step was traced under moves (``StaticDecode._key``: the model, its training mode, adapters, the

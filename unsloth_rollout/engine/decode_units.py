@@ -8,9 +8,10 @@ One graph serves every unit of a size, as one served every layer (parameters are
 
 That is exact only when the model's loop passes each layer the previous layer's output and the same other
 arguments, unchanged, and a layer returns a tensor. So:
-- units are formed only for the families in ``UNIT_FAMILIES`` (their transformers loops are plain: layer after
-  layer, every layer given the same mask, positions, rotary and cache; checked by tests/test_engine_decode_units.py
-  against HF generate and a teacher-forced forward), and only while no decoder layer itself has a hook;
+- units are formed by default only for the families the registry serves (models/families.py; their transformers
+  loops are plain: layer after layer, every layer given the same mask, positions, rotary and cache; the family
+  matrix runs them in units against HF generate and a teacher-forced forward, as does
+  tests/test_engine_decode_units.py), and only while no decoder layer, and no global module hook, has a hook;
 - every follower checks, each step, that its hidden states are the object its leader returned and that its other
   arguments are the objects the leader was given; where not, ``Ungrouped`` is raised, the engine drops units for
   good and runs the step again layer by layer (each layer then rewrites the same K/V positions).
@@ -20,10 +21,7 @@ from __future__ import annotations
 
 import torch
 
-# model_types whose decoder loop (transformers 5) calls layer after layer with the same arguments
-UNIT_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text",
-                           "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mistral3", "idefics3"})
-
+from ..models.families import family_of
 
 class Ungrouped(RuntimeError):
     """A follower layer was not given its leader's output and arguments: the step runs again layer by layer."""
@@ -63,11 +61,11 @@ def plan_units(layers: list, size: int) -> list[list[int]]:
     return units
 
 
-def unit_size(requested: int | None, model_type: str | None) -> int:
-    """Layers per unit: ``requested``, else 4 for a family in ``UNIT_FAMILIES`` (else 1)."""
+def unit_size(requested: int | None, config) -> int:
+    """Layers per unit: ``requested``, else 4 for a family the registry serves (else 1)."""
     if requested is not None:
         return max(1, int(requested))
-    return 4 if model_type in UNIT_FAMILIES else 1
+    return 4 if family_of(config).served else 1
 
 
 def layer_hooked(layers: list) -> bool:
