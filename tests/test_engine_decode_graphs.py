@@ -93,6 +93,51 @@ def test_a_wrong_recording_is_caught_and_graphs_switch_off(qwen2_dir, stand_in, 
         engine.shutdown()
 
 
+def test_a_hook_added_after_recording_is_called(qwen2_dir, stand_in, monkeypatch):
+    """A replay runs no Python: a hook registered on a decoder layer's module after its graphs were recorded and
+    checked would not be called. Here the stand-in replays with every forward hook muted, as a CUDA graph would;
+    while the hook is there the steps run unrecorded (tokens: HF generate's with the hook), and after it is removed
+    the recorded graphs replay again."""
+
+    def python_free(fn, pool=None):
+        g = decode_graphs._Replayed(fn)
+        g.out = fn()
+
+        def replay():
+            hooked = [(m, dict(m._forward_hooks)) for m in policy.model.modules() if m._forward_hooks]
+            for m, _ in hooked:
+                m._forward_hooks.clear()
+            try:
+                g.out.copy_(fn())
+            finally:
+                for m, h in hooked:
+                    m._forward_hooks.update(h)
+        g.replay = replay
+        return g, g.out
+
+    policy = _policy(qwen2_dir)
+    engine = _engine(policy)
+    g = engine.core.runner.static.graphs
+    monkeypatch.setattr(g, "capture", python_free)
+    try:
+        prompts = _prompts(policy, 3)
+        _check(policy, engine, prompts, 12)
+        assert g.replays > 2 * g.captures and g.disabled is None  # recorded, checked, trusted
+        mlp = engine.core.runner.static._layers[1].mlp
+        handle = mlp.register_forward_hook(lambda mod, args, out: out * 3.0)
+        try:
+            replays = g.replays
+            _check(policy, engine, _prompts(policy, 3, "bob"), 12)  # the same buckets: the graphs would serve
+            assert g.replays == replays and g.hooked_steps > 0 and g.disabled is None
+        finally:
+            handle.remove()
+        captures = g.captures
+        _check(policy, engine, _prompts(policy, 3, "pears"), 12)
+        assert g.replays > replays and g.captures == captures  # the graphs recorded before the hook
+    finally:
+        engine.shutdown()
+
+
 def test_cuda_graphs_on_a_cpu_model_are_refused_by_name(qwen2_dir):
     policy = _policy(qwen2_dir)
     with pytest.raises(ValueError, match="compile_mode='cuda-graphs' needs a CUDA device"):

@@ -14,6 +14,7 @@ import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from unsloth_rollout.bench.overhead import deep_policy
+from unsloth_rollout.engine.decode_static import _graphs
 from unsloth_rollout.engine.decode_units import plan_units
 from unsloth_rollout.testing.oracles import assert_greedy_matches, teacher_forced
 
@@ -99,11 +100,17 @@ def test_a_hooked_decoder_layer_runs_layer_by_layer(policy, where):
     try:
         st = engine.core.runner.static
         assert st.unit_size == 3
+        units_trust = st.trust
         _check_exact(policy, engine, label="hooked layer")
         assert st.unit_size == 1 and len(st._units) == LAYERS
         handle.remove()
         engine.weights_changed()  # the model changed: KV the hook made (the prefix cache's) is not reused
+        recompiles, graphs = st.recompiles, _graphs()
         _check_exact(policy, engine, n=6, label="hook removed")
+        # units again, on the graphs they had: nothing compiled, the unit trust trusted again
+        assert st.unit_size == 3 and st._units == [[0, 1, 2], [3, 4, 5]] and st.trust is units_trust
+        assert st.recompiles == recompiles and _graphs() == graphs and st.eager_steps == 0
+        assert st.trust.graphs is not None and engine.stats()["decode_layers_per_call"] == 3
     finally:
         handle.remove()
         engine.shutdown()
@@ -127,6 +134,9 @@ def test_a_loop_that_changes_what_a_layer_gets_is_caught(policy):
         assert plan_units(layers, 3) == [[0, 1, 2], [3, 4, 5]]
         _check_exact(policy, engine, label="shifted loop")
         assert st.unit_size == 1 and st.recompiles > 0
+        tried = st._trusts[3].guarded_steps  # for good: units are not tried again (a hook's case: they are)
+        _check_exact(policy, engine, n=4, label="shifted loop, later")
+        assert st.unit_size == 1 and st._trusts[3].guarded_steps == tried
     finally:
         for m in layers:
             m.__class__ = base

@@ -320,3 +320,30 @@ def test_disable_adapter_mid_generation_without_weights_changed(policy, backend)
         assert stats["adapter_switch_changes"] == 1 and stats["weight_recomputes"] >= 1
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("how", ["unload", "merge_and_unload"])
+@pytest.mark.parametrize("backend", ["workspace", "static"])
+def test_unloading_lora_without_weights_changed(backend, how):
+    """PEFT's ``unload()`` / ``merge_and_unload()`` replace every LoRA layer with its base layer, and callers rarely
+    pair them with ``weights_changed``: a prompt cached with the adapter is not reused, and the tokens are HF greedy
+    of the model as it now is (plain base weights, or base + LoRA merged)."""
+    from unsloth_rollout.bench.overhead import deep_policy
+
+    pol = deep_policy("tiny-lm", 3, 8, 0)  # its own model: unloading is for good
+    engine = RolloutEngine(pol, EngineConfig(kv_cache_memory_bytes=16 << 20, decode_backend=backend))
+    ids = pol.tokenizer.encode(GREEDY)
+    try:
+        lora = hf_greedy(pol, ids, 16)
+        assert engine.generate([GenerationRequest(input_ids=ids, sampling=SamplingParams(
+            max_new_tokens=16, temperature=0, ignore_eos=True))])[0].output_ids[:len(lora)] == lora
+        getattr(pol.model, how)()
+        now = hf_greedy(pol, ids, 16)
+        if how == "unload":
+            assert now != lora, "the adapter was meant to change the greedy tokens"
+        out = engine.generate([GenerationRequest(input_ids=ids, sampling=SamplingParams(
+            max_new_tokens=16, temperature=0, ignore_eos=True))])[0].output_ids
+        assert out[:len(now)] == now
+        assert engine.stats()["adapter_switch_changes"] >= 1
+    finally:
+        engine.shutdown()

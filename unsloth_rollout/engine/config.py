@@ -211,8 +211,9 @@ class EngineConfig:
             the same arguments (the served ones), 1 for others. Fewer calls cost less Python per step (36 layers
             x LoRA at batch 64 on a 2-core CPU: ~0.85x the step of one layer per call) and more compile time at
             engine start (~2-3x). Each step checks that the model's loop passed every layer its predecessor's
-            output and the same arguments, and that no decoder layer itself has a hook; where not, the engine
-            runs one layer per call from then on (logged; the step runs again, exactly).
+            output and the same arguments (where not, the engine runs one layer per call from then on), and
+            that no decoder layer itself has a hook (one per call while one is left, units again after); logged,
+            the step runs again, exactly.
         decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
             takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
             more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the

@@ -15,6 +15,8 @@ records that step once per shape and replays it:
   switched, ``weights_changed``, a parameter given new memory) drops every graph; the next steps record again.
   In-place updates (an optimizer step) keep addresses and are read by the replay as by the compiled step. A
   module replaced by another must be announced with ``weights_changed``, as for every decode backend.
+- A replay runs no Python: a forward hook or pre-hook on a decoder layer or any module in one, or a global module
+  hook, would not be called. Steps while one exists run the compiled step unrecorded (which calls it).
 - Checked before trusted: a graph's first ``CHECK_REPLAYS`` replays are compared with the same step run
   without the graph on the same inputs (it writes the same K/V to the same places). Any difference (a value the
   recording baked in, an op that read host state) switches graphs off for the engine, logged and counted in
@@ -30,6 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
+from torch.utils.hooks import RemovableHandle
 
 from ..logs import get_logger
 
@@ -84,6 +88,8 @@ class DecodeGraphs:
         self._params: list = []  # (module, parameter name) of every parameter, and their addresses when recorded
         self._ptrs: list[int] = []
         self.captures = self.replays = self.invalidations = 0
+        self._hook_mark, self._hook_found = None, False  # what ``_hooked`` last saw
+        self.hooked_steps = 0  # steps run unrecorded because a hook was there
 
     def _signature(self, args) -> tuple:
         tensors = [args[5][0], args[6][0], args[7][0], args[8][0]]  # pool and workspace (all layers move together)
@@ -115,8 +121,24 @@ class DecodeGraphs:
             logits = st._retraced(args, count_graphs() - before)
         return logits
 
+    def _hooked(self) -> bool:
+        """Whether a decoder layer, a module in one, or every module (a global hook) has a forward hook or pre-hook.
+        Looked for again when one may have come (torch's hook-handle counter, the global dicts' sizes) and on every
+        step while one is there (~1k modules at 36 layers: only then)."""
+        g = torch.nn.modules.module
+        mark = (RemovableHandle.next_id, len(g._global_forward_hooks), len(g._global_forward_pre_hooks))
+        if mark != self._hook_mark or self._hook_found:
+            self._hook_mark = mark
+            self._hook_found = bool(mark[1] or mark[2]) or any(
+                m._forward_hooks or m._forward_pre_hooks for layer in getattr(self.static, "_layers", ())
+                for m in layer.modules())
+        return self._hook_found
+
     def step(self, args, n: int):
         if self.disabled is not None:
+            return None
+        if self._hooked():  # the compiled step, unrecorded, calls the hook
+            self.hooked_steps += 1
             return None
         sig = self._signature(args)
         if self._weights_moved() or sig != self.signature:

@@ -53,8 +53,8 @@ import torch
 from ..logs import get_logger
 from .attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
 from .decode_trust import LayerTrust
-from .decode_units import Lead, Ungrouped, decoder_layers, layer_hooked, plan_units, unit_size, units_call
-from .decode_views import LayerView, StaticView, step_prefix
+from .decode_units import Hooked, Lead, Ungrouped, decoder_layers, layer_hooked, plan_units, unit_size, units_call
+from .decode_views import LayerView, StaticView, mark_step, step_prefix
 
 log = get_logger("unsloth_rollout")
 
@@ -128,10 +128,13 @@ class StaticDecode:
             self._layers = decoder_layers(runner.policy.model, runner.num_layers)
             self._windows = sorted({getattr(l.self_attn, "sliding_window", None) or None for l in self._layers},
                                    key=lambda w: -1 if w is None else w)
-            self._plan(unit_size(unit, runner.policy.config))
+            self._trusts: dict[int, LayerTrust] = {}  # per unit size: a size planned again keeps its graphs
+            self._want = unit_size(unit, runner.policy.config)
+            self._hooked = False  # one layer per call while a decoder layer has a hook: units come back after
+            self._plan(self._want)
             self._fn = self._step_layers
         else:
-            self.trust, self.unit_size = None, None
+            self.trust, self.unit_size, self._trusts, self._hooked = None, None, {}, False
             self._fn = torch.compile(self._step, mode=mode, dynamic=None)
         self.warmup_s = 0.0
         self.warm_graphs = None  # graphs counted once warm; compiles past it are recompiles
@@ -163,7 +166,11 @@ class StaticDecode:
         """Decoder layers in units of up to ``size`` (decode_units.py), each unit one compiled call; dynamo's
         guards are checked on the steps after a possible change, trusted between (decode_trust.py)."""
         self.unit_size, self._units = size, plan_units(self._layers, size)
-        self.trust = LayerTrust(units_call, [[self._layers[i] for i in u] for u in self._units], self.mode)
+        trust = self._trusts.get(size)
+        if trust is None:
+            trust = self._trusts[size] = LayerTrust(units_call, [[self._layers[i] for i in u] for u in self._units],
+                                                    self.mode)
+        self.trust, trust.graphs = trust, None  # its first step guarded
 
     def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v,
                      prefix=None):
@@ -175,7 +182,7 @@ class StaticDecode:
         # (a trace must keep the batch and the context dynamic; a trusted copy already traced never traces)
         fns, ran, mark = trust.fns(state)
         if mark:
-            self._mark((input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, prefix))
+            mark_step((input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, prefix))
         kp = k_pos.view(1, -1)
         ctx = ForwardContext("decode", lengths.view(-1, 1), kp, kp <= lengths.view(-1, 1), check=False,
                              lengths=lengths, prefix=prefix)
@@ -195,7 +202,7 @@ class StaticDecode:
             torch._dynamo.mark_dynamic(rows, 0)
         units = self._units
         if len(units) < len(layers) and layer_hooked(layers):  # a hooked layer must see its own input and output
-            raise Ungrouped("a decoder layer has a forward hook")
+            raise Hooked("a decoder layer has a forward hook")
 
         def cache(i, kwargs):  # layer i's own pool and workspace tensors (and its prefix store)
             c = {k: LayerView(pool_k[i], pool_v[i], ws_k[i], ws_v[i], write_slots, rows, lengths, k_pos, ctx)
@@ -262,21 +269,8 @@ class StaticDecode:
         args = (input_ids, pos, lens_t, torch.tensor(write, device=self.device), k_pos,
                 kv.k, kv.v, self.ws.k, self.ws.v, prefix)
         if self.trust is None:  # region "model": one graph (the layer regions mark only when one may trace)
-            self._mark(args)
+            mark_step(args)
         return args
-
-    def _mark(self, args) -> None:
-        input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v, prefix = args
-        for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
-            torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
-        torch._dynamo.mark_dynamic(k_pos, 0)
-        stores = list(ws_k) + list(ws_v) + (list(prefix.pk) + list(prefix.pv) if prefix is not None else [])
-        for t in stores:  # rows / entries and capacity grow with the batch, the context, the prompts
-            torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(t, 2)
-        if prefix is not None:
-            torch._dynamo.mark_dynamic(prefix.pe, 0)
-            torch._dynamo.mark_dynamic(prefix.plen, 0)
 
     def fits(self, n_rows: int, held: int, prefixes: bool = False) -> bool:
         """Whether the padded batch's rows (``held``: the most positions a row holds; ``prefixes``: rows read prefix
@@ -361,9 +355,15 @@ class StaticDecode:
             if fn is not None:
                 return fn(*args)
             try:
+                if self._hooked and not layer_hooked(self._layers):
+                    log.info("static decode: no decoder layer has a hook now; %d layers per call again", self._want)
+                    self._hooked = False
+                    self._plan(self._want)
                 return self._fn(*args)
             except Ungrouped as e:  # K/V of this step's layers rewritten below, to the same positions
-                log.warning("static decode: %s; decoder layers run one per compiled call from now on", e)
+                self._hooked = isinstance(e, Hooked)  # a hook: until it goes; a loop changing a layer's input: for good
+                log.warning("static decode: %s; decoder layers run one per compiled call %s", e,
+                            "while it stays" if self._hooked else "from now on")
                 self._plan(1)
                 return self._fn(*args)
         finally:

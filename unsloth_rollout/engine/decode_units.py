@@ -14,7 +14,8 @@ arguments, unchanged, and a layer returns a tensor. So:
   tests/test_engine_decode_units.py), and only while no decoder layer, and no global module hook, has a hook;
 - every follower checks, each step, that its hidden states are the object its leader returned and that its other
   arguments are the objects the leader was given; where not, ``Ungrouped`` is raised, the engine drops units for
-  good and runs the step again layer by layer (each layer then rewrites the same K/V positions).
+  good and runs the step again layer by layer (each layer then rewrites the same K/V positions). A hook raises
+  ``Hooked`` before the step: layer by layer while a hook is left, units again (their graphs kept) once none is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import torch
 from ..models.families import family_of
 
 class Ungrouped(RuntimeError):
-    """A follower layer was not given its leader's output and arguments: the step runs again layer by layer."""
+    """A follower layer was not given its leader's output and arguments: the step runs again layer by layer, and
+    so do all later steps."""
+
+
+class Hooked(Ungrouped):
+    """A decoder layer, or every module, has a forward hook: the step runs again layer by layer, and so do later
+    steps until no such hook is left (then units again, on the graphs they had)."""
 
 
 def units_call(layers, caches, hidden_states, *args, **kwargs):

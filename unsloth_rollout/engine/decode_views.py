@@ -70,3 +70,18 @@ def step_prefix(static, b: int) -> StaticPrefix:
                                 for _ in range(2 * len(ws.k))]
         pk, pv = static._no_store[0::2], static._no_store[1::2]
     return StaticPrefix(pk, pv, *step_tensors(ws.row_entry, ws.plens, pk[0].shape[0], b, static.device))
+
+
+def mark_step(args) -> None:
+    """Mark what a trace of the step keeps dynamic (one graph for every batch, context, workspace size)."""
+    input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v, prefix = args
+    for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
+        torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
+    torch._dynamo.mark_dynamic(k_pos, 0)
+    stores = list(ws_k) + list(ws_v) + (list(prefix.pk) + list(prefix.pv) if prefix is not None else [])
+    for t in stores:  # rows / entries and capacity grow with the batch, the context, the prompts
+        torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(t, 2)
+    if prefix is not None:
+        torch._dynamo.mark_dynamic(prefix.pe, 0)
+        torch._dynamo.mark_dynamic(prefix.plen, 0)

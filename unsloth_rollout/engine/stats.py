@@ -42,10 +42,11 @@ def engine_stats(engine) -> dict:
         mm_processor_cache_hits=core.inputs.cache.hits,
         mm_processor_cache_misses=core.inputs.cache.misses, mm_processor_cache_bytes=core.inputs.cache.bytes)
     if (st := core.runner.static) is not None:  # the captured decode (decode_static.py)
+        trusts = st._trusts.values()  # one per unit size the step has run (decode_trust.py)
         s.update(decode_warmup_s=st.warmup_s, decode_recompiles=st.recompiles, decode_eager_steps=st.eager_steps,
-                 decode_guarded_steps=st.trust.guarded_steps if st.trust is not None else st.steps,
-                 decode_trusted_steps=st.trust.trusted_steps if st.trust is not None else 0,
-                 decode_failed_trusted_steps=st.trust.failed_trusted if st.trust is not None else 0,
+                 decode_guarded_steps=sum(t.guarded_steps for t in trusts) if trusts else st.steps,
+                 decode_trusted_steps=sum(t.trusted_steps for t in trusts),
+                 decode_failed_trusted_steps=sum(t.failed_trusted for t in trusts),
                  decode_prefix_compiled=st.prefixed(),  # steps over shared-prefix entries run in the graph
                  decode_layers_per_call=st.unit_size)  # decoder layers per compiled call (decode_units.py)
         if (g := st.graphs) is not None:  # compile_mode="cuda-graphs" (decode_graphs.py)

@@ -11,12 +11,15 @@ PEFT's own switches change what the model computes without touching a weight: ``
 attributes of each LoRA layer, which a caller rarely pairs with ``weights_changed``, so ``WeightsClock.watch``
 reads those attributes at every step start (~40 us for 252 LoRA layers) and treats a change as a weight change:
 the engine then serves the model as it is, as HF ``generate`` would, never KV or a compiled step of the old state.
+``unload()`` and ``merge_and_unload()`` replace the LoRA layers with their base layers: ``watch`` also checks that
+each LoRA layer is still its parent's child (one dict lookup per layer, in C).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import operator
 import threading
 
 from ..logs import get_logger
@@ -38,7 +41,7 @@ class WeightsClock:
         self._adapters: dict[str, int] = {}
         self._changes = 0  # bumps so far: a step only looks for stale KV when this moved
         self._changes_applied = 0  # bumps whose stale KV ``apply`` has already dealt with (engine thread only)
-        self._layers = None  # (model, the __dict__ of each of its LoRA layers, bumps when listed): ``watch``
+        self._layers = None  # (model, the __dict__ of each of its LoRA layers, bumps when listed, _homes): ``watch``
         self._switches = None  # what those layers' SWITCHES were at the last step start
         self.switch_changes = 0  # changes of the switches that ``watch`` turned into a weight change
 
@@ -60,22 +63,25 @@ class WeightsClock:
         if self._layers is None or self._layers[0] is not model or self._layers[2] != changes:
             from ..models.adapters import tuner_layers  # models.adapters imports engine.config
 
-            self._layers = (model, [m.__dict__ for m in tuner_layers(model)], changes)
+            layers = tuner_layers(model)
+            self._layers = (model, [m.__dict__ for m in layers], changes, _homes(model, layers))
             self._switches = None
-        dicts = self._layers[1]
+        _, dicts, _, (children, names, layers) = self._layers
         if not dicts:
             return False
         now = [list(map(dict.get, dicts, itertools.repeat(a))) for a in SWITCHES]  # compared by value, in C
-        if self._switches is None or now == self._switches:
+        placed = all(map(operator.is_, map(dict.get, children, names), layers))  # no LoRA layer unloaded
+        if placed and (self._switches is None or now == self._switches):
             if self._switches is None:
                 self._switches = copy.deepcopy(now)  # a list or a dict may change in place
             return False
         self._switches = copy.deepcopy(now)
         self.switch_changes += 1
-        log.info("the policy's LoRA switches changed (disable_adapter, set_adapter, merge_adapter or set_scale): "
-                 "a weight change; cached KV of the old state is not used again")
+        log.info("the policy's LoRA switches changed (disable_adapter, set_adapter, merge_adapter, set_scale, "
+                 "unload or merge_and_unload): a weight change; cached KV of the old state is not used again")
         self.bump(None, None)
-        self._layers = (model, dicts, self._changes)
+        # unloaded: listed again at the next step; else kept (its switches read as they are now)
+        self._layers = (model, dicts, self._changes, (children, names, layers)) if placed else None
         return True
 
     @property
@@ -103,3 +109,10 @@ class WeightsClock:
                     scheduler.preempt(s, count=False)
                     stats["weight_recomputes"] += 1
         self._changes_applied = changes
+
+
+def _homes(model, layers: list) -> tuple[list, list, list]:
+    """(each LoRA layer's parent's ``_modules`` dict, its name there, the layer): ``watch`` checks it is still there."""
+    want = {id(m) for m in layers}
+    home = {id(c): (p._modules, n) for p in model.modules() for n, c in p._modules.items() if id(c) in want}
+    return [home[id(m)][0] for m in layers], [home[id(m)][1] for m in layers], list(layers)
