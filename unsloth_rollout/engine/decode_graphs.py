@@ -33,9 +33,9 @@ from collections import OrderedDict
 
 import torch
 
-from torch.utils.hooks import RemovableHandle
-
 from ..logs import get_logger
+from .decode_trust import hooks_now
+from .decode_units import layer_hooked
 
 log = get_logger("unsloth_rollout")
 
@@ -123,15 +123,13 @@ class DecodeGraphs:
 
     def _hooked(self) -> bool:
         """Whether a decoder layer, a module in one, or every module (a global hook) has a forward hook or pre-hook.
-        Looked for again when one may have come (torch's hook-handle counter, the global dicts' sizes) and on every
-        step while one is there (~1k modules at 36 layers: only then)."""
-        g = torch.nn.modules.module
-        mark = (RemovableHandle.next_id, len(g._global_forward_hooks), len(g._global_forward_pre_hooks))
+        Looked for again when one may have come (``hooks_now``: torch's hook-handle counter, the global dicts' sizes)
+        and on every step while one is there (~1k modules at 36 layers: only then)."""
+        mark = hooks_now(())
         if mark != self._hook_mark or self._hook_found:
             self._hook_mark = mark
-            self._hook_found = bool(mark[1] or mark[2]) or any(
-                m._forward_hooks or m._forward_pre_hooks for layer in getattr(self.static, "_layers", ())
-                for m in layer.modules())
+            layers = getattr(self.static, "_layers", ())  # (region "model" has no list of decoder layers)
+            self._hook_found = layer_hooked([m for layer in layers for m in layer.modules()])
         return self._hook_found
 
     def step(self, args, n: int):

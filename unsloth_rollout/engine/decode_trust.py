@@ -86,7 +86,7 @@ def _forwards(dicts: list) -> list:
     return list(map(dict.get, dicts, itertools.repeat("forward")))
 
 
-def _hooks_now(hooked: list) -> tuple:
+def hooks_now(hooked: list) -> tuple:
     """What says whether a hook came or went: torch's hook-handle counter (every ``register_*hook`` call takes
     the next id), the sizes of the hook dicts that held hooks when vouched for, and the global hook dicts."""
     g = torch.nn.modules.module
@@ -147,12 +147,12 @@ class LayerTrust:
             self.dicts = [m.__dict__ for unit in self.units for layer in unit for m in layer.modules()]
             self.forwards = _forwards(self.dicts)
             self.hooked = [h for d in self.dicts for h in (d["_forward_hooks"], d["_forward_pre_hooks"]) if h]
-            self.hooks = _hooks_now(self.hooked)
+            self.hooks = hooks_now(self.hooked)
         else:
             self.graphs, self.state = None, None
 
     def _unchanged(self) -> bool:
-        return _hooks_now(self.hooked) == self.hooks and _forwards(self.dicts) == self.forwards
+        return hooks_now(self.hooked) == self.hooks and _forwards(self.dicts) == self.forwards
 
     def _copy(self, graph: int):
         """The trusted copy for the layers graph ``graph`` served: compiled at its first call (the same graph,
