@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
 
     policy = deep_policy("tiny-lm", a.layers, 8, 0)
     core = setup(policy, "static", a.context, a.batch, 24, 0)
-    st = core.runner.static
+    st = core.runner.decode_steps.compiled
     seen, region = {}, st._layer_fn
 
     def record(layer, hidden, *args, **kwargs):
@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     st._layer_fn = region
     layer, hidden0, args, kwargs = seen["call"]
     cache_key = next(k for k, v in kwargs.items() if isinstance(v, DS.LayerView))
-    lv, inner = kwargs[cache_key], core.runner._inner
+    lv, inner = kwargs[cache_key], core.runner.inner
     fixed = {k: v for k, v in kwargs.items()
              if k not in (cache_key, CTX_KWARG, "position_embeddings", "position_ids")}
     names = [n for n, _ in layer.named_parameters()]
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
                                                                                                   max=1 << 17)
     dyn = ({0: B}, {0: B}, {0: B}, {0: B}, None, None, {0: R, 2: C}, {0: R, 2: C}, {0: B}, {0: B}, {0: B}, {0: K},
            [None] * len(params))
-    cfg = core.runner._text_config
+    cfg = core.runner.text_config
     saved = cfg._attn_implementation_internal
     cfg._attn_implementation_internal = ATTN_NAME
     try:

@@ -3,7 +3,7 @@
 256), the engine built once, the kernel switched on and off every round (8 rounds of 6 timed steps each); prints
 the median step of each, in ms:
 
-    PYTHONPATH=$PWD python benchmarks/cpu_attention_ab.py static      # the captured step
+    PYTHONPATH=$PWD python benchmarks/cpu_attention_ab.py compiled    # the compiled step
     PYTHONPATH=$PWD python benchmarks/cpu_attention_ab.py workspace   # the eager default
 """
 
@@ -15,17 +15,21 @@ from unsloth_rollout.bench.long import setup
 from unsloth_rollout.bench.overhead import deep_policy
 
 
-def main(backend: str = "static") -> None:
+def _kernel(core, on: bool) -> None:
+    core.runner.kernel = core.runner.decode_steps.context.kernel = on  # read by the eager and the compiled step
+
+
+def main(backend: str = "compiled") -> None:
     policy = deep_policy("tiny-lm", 36, 8, 0)
     core = setup(policy, backend, 256, 64, 300, 0)
-    for k in (False, True):  # the static step compiles once per setting
-        core.runner._kernel = k
+    for k in (False, True):  # the compiled step compiles once per setting
+        _kernel(core, k)
         for _ in range(2):
             core.step()
     res = {True: [], False: []}
     for _ in range(8):
         for k in (False, True):
-            core.runner._kernel = k
+            _kernel(core, k)
             core.step()
             ts = []
             for _ in range(6):

@@ -118,26 +118,37 @@ def test_vlm_run_in_process():
     assert "text-only" in skipped["transformers-cb"]
 
 
-def test_captured_engine_runs_beside_the_eager_one():
-    """``--backends engine,engine-static,engine-eager``: the captured decode forced on and every step eager are
+def test_compiled_engine_runs_beside_the_eager_one():
+    """``--backends engine,engine-compiled,engine-eager``: the compiled step forced on and every step eager are
     bench backends of their own, opt-in (not in the default list), their samples as many tokens as the default
     engine's, drift <= 1e-5 against the teacher-forced forward, no recompile after the warm-up."""
     from unsloth_rollout.bench import run_bench
     from unsloth_rollout.bench.backends import DEFAULT_BACKENDS
 
-    assert "engine-static" not in DEFAULT_BACKENDS and "engine-eager" not in DEFAULT_BACKENDS
+    assert "engine-compiled" not in DEFAULT_BACKENDS and "engine-eager" not in DEFAULT_BACKENDS
     assert "engine" in DEFAULT_BACKENDS
     report = run_bench("tiny-lm", prompts=2, group=2, max_new_tokens=6,
-                       backends=["engine", "engine-static", "engine-eager"], drift_samples=4, progress=False)
+                       backends=["engine", "engine-compiled", "engine-eager"], drift_samples=4, progress=False)
     rows = {r["backend"]: r for r in report["results"]}
-    assert set(rows) == {"engine", "engine-static", "engine-eager"}, report["skipped"]
-    for name in ("engine-static", "engine-eager"):
+    assert set(rows) == {"engine", "engine-compiled", "engine-eager"}, report["skipped"]
+    for name in ("engine-compiled", "engine-eager"):
         assert rows[name]["output_tokens"] == rows["engine"]["output_tokens"]
         assert rows[name]["logprob_drift"] <= 1e-5
-    assert not any("captured decode" in n for n in rows["engine-eager"]["notes"])
-    st = rows["engine-static"]["engine_stats"]
+    assert not any("compiled decode" in n for n in rows["engine-eager"]["notes"])
+    st = rows["engine-compiled"]["engine_stats"]
     assert st["decode_recompiles"] == 0 and st["decode_warmup_s"] > 0, st
-    assert any("captured decode" in n for n in rows["engine-static"]["notes"])
+    assert any("compiled decode" in n for n in rows["engine-compiled"]["notes"])
+
+
+def test_old_backend_names_are_still_accepted():
+    """``engine-static`` (the bench) and ``static`` (``--workload long``) name the compiled step, as they did; an
+    unknown name is refused, before any model is loaded."""
+    from unsloth_rollout.bench import run_bench
+    from unsloth_rollout.bench.long import backend_spec
+
+    with pytest.raises(ValueError, match=r"unknown backend\(s\) \['engine-fast'\]"):
+        run_bench("tiny-lm", backends=["engine-static", "engine-fast"], progress=False)
+    assert backend_spec("static-whole-rows@2") == ("compiled", True, 2) == backend_spec("compiled-whole-rows@2")
 
 
 def test_a_failing_engine_makes_the_bench_fail(monkeypatch, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from unsloth_rollout.engine.config import MultiModalConfig
 from unsloth_rollout import load_model
 from unsloth_rollout.engine.inputs import PATH_MAX_CHARS
 from unsloth_rollout.engine.mm_cache import ProcessorCache
@@ -79,7 +80,7 @@ def test_a_group_of_separate_requests_samples_the_same_with_and_without_the_cach
     runs = {}
     for cache_bytes in (0, 64 << 20):
         engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20,
-                                                    mm_processor_cache_bytes=cache_bytes), seed=0)
+                                                    multimodal=MultiModalConfig(mm_processor_cache_bytes=cache_bytes)), seed=0)
         outs = engine.generate(reqs)
         st = engine.stats()
         engine.shutdown()
@@ -130,7 +131,7 @@ def test_the_cache_keeps_within_its_bytes_least_recently_used_out_first():
 
 def test_the_cache_size_is_validated_by_name():
     with pytest.raises(InvalidRequestError, match="mm_processor_cache_bytes"):
-        EngineConfig(mm_processor_cache_bytes=-1)
+        EngineConfig(multimodal=MultiModalConfig(mm_processor_cache_bytes=-1))
 
 
 def test_encoded_images_are_decoded_once_and_file_paths_are_read_every_time(qwen2_5_vl_dir, tmp_path):

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
+from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.engine.core import EngineCore
-from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.testing.oracles import teacher_forced
-from unsloth_rollout.testing.drive import add_sequences, step_until_idle
+from unsloth_rollout.testing.drive import add_sequences, engine_core, step_until_idle
 
 CHUNK = 16
 
@@ -39,10 +38,7 @@ def _largest_prefill(shapes) -> int:
 
 
 def _core(policy, kv_tokens: int | None = None, **kw) -> EngineCore:
-    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
-    budget = per_token * kv_tokens if kv_tokens else 16 << 20
-    return EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, prefill_chunk_tokens=CHUNK,
-                                           **kw), seed=0)
+    return engine_core(policy, kv_tokens, budget=16 << 20, prefill=PrefillConfig(chunk_tokens=CHUNK), **kw)
 
 
 def _add(core, prompts, max_new):
@@ -133,7 +129,8 @@ def test_an_image_span_is_the_one_documented_exception(qwen2_5_vl_dir):
     shapes = []
     hook = vlm.model.get_input_embeddings().register_forward_hook(
         lambda mod, args, out: shapes.append(tuple(args[0].shape)))
-    engine = RolloutEngine(vlm, EngineConfig(kv_cache_memory_bytes=16 << 20, prefill_chunk_tokens=CHUNK), seed=0)
+    engine = RolloutEngine(vlm, EngineConfig(kv_cache_memory_bytes=16 << 20,
+                                             prefill=PrefillConfig(chunk_tokens=CHUNK)), seed=0)
     try:
         text = " ".join(["apple", "bob", "count"][j % 3] for j in range(60))
         msgs = [{"role": "user", "content": [{"type": "text", "text": "look:"}, {"type": "image"},

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.inputs import PreparedPrompt
@@ -151,7 +152,7 @@ def test_a_long_prompt_is_prefilled_in_chunks(family, continue_calls):
     policy = _policy(family)
     calls = continue_calls
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
-                                                prefill_chunk_tokens=32), seed=0)
+                                                prefill=PrefillConfig(chunk_tokens=32)), seed=0)
     try:
         text = f"{TEXT}, {TEXT} and {TEXT}"
         if policy.is_vlm:
@@ -183,7 +184,7 @@ def test_a_long_next_turn_is_prefilled_in_chunks_too(continue_calls):
     policy = _policy("qwen2")
     calls = continue_calls
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
-                                                prefill_chunk_tokens=64), seed=0)
+                                                prefill=PrefillConfig(chunk_tokens=64)), seed=0)
     try:
         sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
         p1 = engine.prepare(GenerationRequest(messages=[{"role": "user", "content": TEXT}]))

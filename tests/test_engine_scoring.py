@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.engine import InvalidRequestError
 from unsloth_rollout.testing.oracles import teacher_forced
 
@@ -23,7 +24,7 @@ def policy(qwen2_dir):
 @pytest.fixture(scope="module")
 def engine(policy):
     eng = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, max_model_len=256,
-                                             prefill_chunk_tokens=16), seed=0)
+                                             prefill=PrefillConfig(chunk_tokens=16)), seed=0)
     yield eng
     eng.shutdown()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims
 
@@ -24,7 +25,7 @@ def test_churn_loses_nothing(qwen2_dir, n_requests):
     policy = load_model(qwen2_dir, backend="transformers")
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=per_token * 16 * 24, max_num_seqs=32,
-                                                max_prefill_tokens=256))
+                                                prefill=PrefillConfig(max_tokens=256)))
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20))) for _ in range(12)]
     results: dict[str, tuple] = {}

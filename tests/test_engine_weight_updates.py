@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.testing.waits import wait_for
 
@@ -290,13 +291,13 @@ def test_server_sleep_and_wake_up_keep_a_pause(qwen2_dir):
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-@pytest.mark.parametrize("backend", ["workspace", "static"])
+@pytest.mark.parametrize("backend", ["workspace", "compiled"])
 def test_disable_adapter_mid_generation_without_weights_changed(policy, backend):
     """A caller pauses the engine mid-generation and enters ``with model.disable_adapter():`` without
     ``weights_changed`` (PEFT's switch, not a weight): the tokens after the switch are HF greedy of the base model
     from prompt + the tokens before it (the in-flight KV was computed with the adapter on, so it is recomputed),
     and a prompt cached under the adapter is not reused without it."""
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, decode_backend=backend))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, decode=DecodeConfig(backend=backend)))
     ids = policy.tokenizer.encode(GREEDY)
     lora = hf_greedy(policy, ids, 24)
     try:
@@ -323,7 +324,7 @@ def test_disable_adapter_mid_generation_without_weights_changed(policy, backend)
 
 
 @pytest.mark.parametrize("how", ["unload", "merge_and_unload"])
-@pytest.mark.parametrize("backend", ["workspace", "static"])
+@pytest.mark.parametrize("backend", ["workspace", "compiled"])
 def test_unloading_lora_without_weights_changed(backend, how):
     """PEFT's ``unload()`` / ``merge_and_unload()`` replace every LoRA layer with its base layer, and callers rarely
     pair them with ``weights_changed``: a prompt cached with the adapter is not reused, and the tokens are HF greedy
@@ -331,7 +332,7 @@ def test_unloading_lora_without_weights_changed(backend, how):
     from unsloth_rollout.bench.overhead import deep_policy
 
     pol = deep_policy("tiny-lm", 3, 8, 0)  # its own model: unloading is for good
-    engine = RolloutEngine(pol, EngineConfig(kv_cache_memory_bytes=16 << 20, decode_backend=backend))
+    engine = RolloutEngine(pol, EngineConfig(kv_cache_memory_bytes=16 << 20, decode=DecodeConfig(backend=backend)))
     ids = pol.tokenizer.encode(GREEDY)
     try:
         lora = hf_greedy(pol, ids, 16)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.engine.config import DecodeConfig
 from test_engine_parity import hf_greedy, make_requests
 from unsloth_rollout import EngineConfig, RolloutEngine, SamplingParams, load_model
 
@@ -63,10 +64,8 @@ def load(path, dtype, device="cuda", load_in_4bit=False, lora_seed=0, std=0.2):
 
 
 def run_engine(policy, reqs, decode_backend="auto"):
-    graphs = decode_backend == "graphs"  # the captured step replayed as CUDA graphs (decode_graphs.py)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20,
-                                                decode_backend="static" if graphs else decode_backend,
-                                                compile_mode="cuda-graphs" if graphs else None), seed=0)
+                                                decode=DecodeConfig(backend=decode_backend)), seed=0)
     try:
         engine.pause()  # admit everything in one step: the batch composition is fixed, not timing-dependent
         futs = [engine.submit(r) for r in reqs]
@@ -88,8 +87,8 @@ def check_fp32_parity(path, device="cuda", decode_backend="auto"):
     reqs = make_requests(policy, 6, MAX_NEW)
     engine, outs = run_engine(policy, reqs, decode_backend)
     st = engine.stats()
-    assert st["decode_backend"] == ("static" if decode_backend in ("auto", "graphs") else decode_backend)
-    if decode_backend == "graphs":
+    assert st["decode_backend"] == ("compiled" if decode_backend == "auto" else decode_backend)
+    if decode_backend == "graph":
         assert st["decode_graphs_disabled"] is None and st["decode_graph_replays"] > 0, st
     worst = 0.0
     for req, out in zip(reqs, outs):
@@ -142,15 +141,15 @@ def check_nf4(path, device="cuda"):
     return worst
 
 
-# "auto" is the captured step on CUDA for these (transformers + PEFT, fp32 / bf16); "workspace" the eager one;
-# "graphs" the captured step replayed as CUDA graphs (compile_mode="cuda-graphs", off by default).
-@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graphs"])
+# "auto" is the compiled step on CUDA for these (transformers + PEFT, fp32 / bf16); "workspace" the eager one;
+# "graph": the compiled step replayed as CUDA graphs (decode/graph.py, off by default).
+@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_fp32_greedy_and_logprob_parity_on_gpu(model_dirs, arch, decode_backend):
     check_fp32_parity(model_dirs[arch], decode_backend=decode_backend)
 
 
-@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graphs"])
+@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_bf16_logprobs_within_tolerance_on_gpu(model_dirs, arch, decode_backend):
     check_bf16_tolerance(model_dirs[arch], decode_backend=decode_backend)

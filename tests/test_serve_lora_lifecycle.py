@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from unsloth_rollout.engine.config import LoRAConfig
 from unsloth_rollout.models.adapters import AdapterNotFoundError
 from unsloth_rollout.testing.adapters import adapter_oracle, bad_adapters, lora_policy, save_adapter
 from unsloth_rollout.testing.oracles import teacher_forced
@@ -66,7 +67,8 @@ def trainer_state(policy) -> tuple:
 
 def test_refused_loads_change_nothing(qwen2_dir, adapters):
     policy = lora_policy(qwen2_dir, seed=0)
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, max_lora_rank=8, max_loras=2))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, lora=LoRAConfig(max_lora_rank=8,
+                                                                                               max_loras=2)))
     engine.load_lora_adapter("a", adapters["a"])
     before, before_a, state = run(engine), run(engine, "a"), trainer_state(policy)
     for kind, (path, status, phrase) in adapters["bad"].items():

@@ -11,13 +11,13 @@ prefill, so the difference in wall time is the time of ``B x --decode`` decode t
     bandwidth     = bytes / step / step time, also as % of the nominal 4.3 TB/s and of a measured copy
 
     python benchmarks/gpu/decode_sweep.py --model DIR [--batches 1,64,256] [--load-in-4bit]
-        [--decode-backend workspace,static] [--hf-batches 1,64] [--json OUT]
+        [--decode-backend workspace,compiled] [--hf-batches 1,64] [--json OUT]
 
-``--decode-backend`` is ``EngineConfig.decode_backend``, or several separated by commas, each run on the same
-loaded model in turn (``static@1``: with ``EngineConfig.decode_layers_per_call=1``; default "auto": on CUDA the
-eager workspace step; "static": the captured step, compiled at
-engine start). The JSON has one entry per backend under ``runs``, each with the backend that ran, its warm-up
-and its recompiles, so the eager and captured sweeps of one model compare side by side. ``--hf-batches`` also
+``--decode-backend`` is ``DecodeConfig.backend``, or several separated by commas, each run on the same loaded
+model in turn (``compiled@1``: with ``DecodeConfig.layers_per_call=1``; "compiled": the compiled step, compiled at
+engine start; "graph": it replayed as CUDA graphs; the old names "static" and "graphs" are accepted). The JSON has
+one entry per backend under ``runs``, each with the backend that ran, its warm-up and its recompiles, so the eager
+and compiled sweeps of one model compare side by side. ``--hf-batches`` also
 times HF ``generate()`` (the same model, prompts and difference of two runs) at those batch sizes.
 
 The model is loaded as the bench loads it (LoRA r=16 on vision and language layers, random non-zero B).
@@ -35,6 +35,7 @@ import time
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.bench.harness import copy_bandwidth_gbs, machine_info, text_weights
 from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.engine.config import parse_bytes
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-in-4bit", action="store_true")
     ap.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=16 << 30, help="e.g. 16GiB")
     ap.add_argument("--decode-backend", default="auto",
-                    help="auto|workspace|static|gather|graphs (static replayed as CUDA graphs), or several "
+                    help="auto|workspace|compiled|gather|graph (compiled, replayed as CUDA graphs), or several "
                          "separated by commas (each a run)")
     ap.add_argument("--passes", type=int, default=1,
                     help="sweep the batches this many times per backend (a later pass: what runs once compiles and "
@@ -147,16 +148,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for spec in args.decode_backend.split(","):
         t0 = time.perf_counter()
-        backend, _, per_call = spec.partition("@")  # static@1: one decoder layer per compiled call
-        graphs = backend == "graphs"  # the captured step replayed as CUDA graphs (compile_mode="cuda-graphs")
+        backend, _, per_call = spec.partition("@")  # compiled@1: one decoder layer per compiled call
+        backend = {"static": "compiled", "graphs": "graph"}.get(backend, backend)  # the old names
+        decode = DecodeConfig(backend=backend, layers_per_call=int(per_call) if per_call else None)
         engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                                    max_num_seqs=max(batches),
-                                                    decode_backend="static" if graphs else backend,
-                                                    compile_mode="cuda-graphs" if graphs else None,
-                                                    decode_layers_per_call=int(per_call) if per_call else None))
+                                                    max_num_seqs=max(batches), decode=decode))
         st = engine.stats()
         run = {"decode_backend_requested": spec, "decode_layers_per_call": st.get("decode_layers_per_call"),
-               "decode_backend": (("graphs" if graphs else st.get("decode_backend"))
+               "decode_backend": (st.get("decode_backend")
                                   + (f"@{per_call}" if per_call else "")),
                "engine_start_s": time.perf_counter() - t0, "decode_warmup_s": st.get("decode_warmup_s"),
                "results": []}

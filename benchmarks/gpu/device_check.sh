@@ -11,13 +11,13 @@
 #          GRPO 64 prompts x 8 samples, one image each: engine vs hf-batched; decode tok/s at batch 1/64/256
 #   4bit   the same model with bitsandbytes NF4 base weights (needs the bitsandbytes wheel in wheels/)
 #   text   random-weight Qwen2.5-3B text model: engine vs hf-batched vs transformers continuous batching
-#   captured  the bf16 model's decode sweep twice: the eager workspace step, then the captured step
-#          (decode_backend="static": compiled at engine start; warm-up and recompiles recorded)
+#   captured  the bf16 model's decode sweep twice: the eager workspace step, then the compiled step
+#          (DecodeConfig(backend="compiled"): compiled at engine start; warm-up and recompiles recorded)
 #   unsloth  unsloth_check.py: Unsloth's FastLanguageModel fast path refused by name (or served exactly), auto
 #          loading transformers there, FastVisionModel served within bounds (needs site.tgz)
 #   all    everything the decode issue asks for in one call under 590 s: the model build in the background while
 #          tests/test_gpu.py and unsloth_check.py share the GPU (correctness only), then alone on the GPU the 3B
-#          VL decode sweep (eager workspace, captured static, HF generate() at batch 1 and 64), then the NF4
+#          VL decode sweep (eager workspace, the compiled step, HF generate() at batch 1 and 64), then the NF4
 #          eager sweep if time is left
 #
 # --dry-run prints the commands a variant would run and the size of what the call carries (the working
@@ -43,8 +43,8 @@ MAX_NEW=${MAX_NEW:-128}   # GRPO output budget
 BATCHES=${BATCHES:-1,64,256}
 HF_BATCHES=${HF_BATCHES:-1,64}  # HF generate() beside the engine in the `all` sweep
 PASSES=${PASSES:-2}             # the `all` sweep's passes over BATCHES per backend (the second: settled)
-SWEEP=${SWEEP:-workspace,static,static@1,graphs}  # the `all` sweep's decode backends (graphs: compile_mode=
-# "cuda-graphs"; static@1: one decoder layer per compiled call, the default is units of 4; each backend's JSON
+SWEEP=${SWEEP:-workspace,compiled,compiled@1,graph}  # the `all` sweep's decode backends (graph: the compiled
+# step replayed as CUDA graphs; compiled@1: one decoder layer per compiled call, the default is units of 4; each backend's JSON
 # is written as it ends, so a sweep cut by its step limit keeps the backends before)
 DEADLINE=${DEADLINE:-580}       # the `all` variant starts the NF4 sweep only with more than 60 s of this left
 KV=${KV:-16GiB}           # engine KV cache budget
@@ -210,7 +210,7 @@ for v in "${VARIANTS[@]}"; do
       if [ $DRY = 1 ] || [ $LEFT -gt 60 ]; then
         step decode_vl_${SIZE}_4bit $([ $DRY = 1 ] && echo 100 || echo $((LEFT - 10))) env PYTHONPATH="$(site_pp bnb)" "$PY" \
           "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" --dtype bfloat16 --load-in-4bit \
-          --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,static \
+          --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend workspace,compiled \
           --json "$OUT/decode_vl_${SIZE}_4bit.json"
       else
         echo "no time left for the NF4 sweep (${LEFT}s)" | tee -a "$LOG"
@@ -234,7 +234,7 @@ for v in "${VARIANTS[@]}"; do
     captured)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
       build_model qwen2_5_vl
-      for DB in workspace static static@1; do
+      for DB in workspace compiled compiled@1; do
         step decode_vl_${SIZE}_bf16_${DB/@/_l} 180 "$PY" "$HERE/decode_sweep.py" --model "$MODELS/qwen2_5_vl-$SIZE" \
           --dtype bfloat16 --batches "$BATCHES" --kv-cache-memory-bytes "$KV" --decode-backend $DB \
           --json "$OUT/decode_vl_${SIZE}_bf16_${DB/@/_l}.json"

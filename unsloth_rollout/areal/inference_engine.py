@@ -36,6 +36,7 @@ from areal.utils import name_resolve, names, stats_tracker
 
 from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
+from ..engine.config import DEPRECATED_SETTINGS
 from ..engine.omp import release_thread_team
 from ..engine.options import completion_room, logits_width, sampling_from_options
 from ..models import PolicyModel, load_model
@@ -45,7 +46,8 @@ from .openai_compat import UnslothModelResponse, patch_openai
 
 logger = get_logger("unsloth_rollout.areal.inference_engine")
 
-_ENGINE_CONFIG_KEYS = {f for f in EngineConfig.__dataclass_fields__}
+# EngineConfig's fields, and the flat names its nested configs replaced (accepted with a DeprecationWarning).
+_ENGINE_CONFIG_KEYS = set(EngineConfig.__dataclass_fields__) | DEPRECATED_SETTINGS
 # Keyword arguments newer AReaL releases pass to submit / rollout_batch / prepare_batch.
 _FORWARD_COMPAT_KWARGS = ("reward_normalization", "drop_incomplete_group", "callback_addr", "proxy_addr")
 

@@ -43,12 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap of the per-sample output budgets (grpo default {g.max_new_tokens})")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated; those that cannot run here are listed with the reason (default "
-                        f"{','.join(DEFAULT_BACKENDS)}; also engine-static, the engine with the captured decode "
-                        "forced on, engine-eager, the engine with every decode step eager (the default, "
-                        "decode_backend auto, is captured on CPU), and "
-                        "engine-whole-rows, the engine without shared-prefix decode; "
+                        f"{','.join(DEFAULT_BACKENDS)}; also engine-compiled (old name engine-static), the engine "
+                        "with the compiled step forced on, engine-eager, the engine with every decode step eager "
+                        "(the default, decode backend auto, is compiled on CPU), and "
+                        "engine-whole-rows, the engine without shared prompts; "
                         "for --workload long the engine's decode backends "
-                        f"{','.join(LONG_DEFAULTS['backends'])}; add 'static' for the captured decode beside the "
+                        f"{','.join(LONG_DEFAULTS['backends'])}; add 'compiled' for the compiled step beside the "
                         "eager ones)")
     p.add_argument("--contexts", default=",".join(map(str, LONG_DEFAULTS["contexts"])),
                    help="--workload long: prompt lengths (tokens) to decode at")
@@ -79,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's KV cache budget in bytes, e.g. 1073741824 or 1GiB")
     p.add_argument("--hf-sequential-max", type=int, default=24,
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
-    p.add_argument("--shared-prefix-min-tokens", type=int, default=None,
-                   help="--workload long: EngineConfig.shared_prefix_min_tokens (default: the engine's, 640 with the "
-                        "compiled step, 32 with eager steps)")
+    p.add_argument("--shared-prompt-min-tokens", "--shared-prefix-min-tokens", dest="shared_prompt_min_tokens",
+                   type=int, default=None,
+                   help="--workload long: DecodeConfig.shared_prompt_min_tokens (default: the engine's, 640 with "
+                        "the compiled step without the CPU kernel, else 32)")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
     p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
     p.add_argument("--repeats", type=int, default=None,
@@ -174,7 +175,7 @@ def _main_long(args) -> int:
         report = run_long(model=args.model, batch=args.batch, contexts=contexts, steps=args.steps,
                           backends=backends, lora=args.lora_rank, seed=args.seed, drift_samples=args.drift_samples,
                           progress=not args.no_progress, group=args.group or 1,
-                          min_prefix=args.shared_prefix_min_tokens)
+                          min_prefix=args.shared_prompt_min_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

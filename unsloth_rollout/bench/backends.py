@@ -113,18 +113,16 @@ class Backend:
 # ============================================================================ engine
 class EngineBackend(Backend):
     name = "engine"
-    decode_backend: str | None = None  # EngineConfig.decode_backend; None: the engine's default
-    shared_prefix_decode: bool | None = None  # EngineConfig.shared_prefix_decode; None: the engine's default
+    decode = None  # DecodeConfig fields this variant sets (None: the engine's defaults)
 
     def setup(self, ctx):
         from ..engine import EngineConfig, RolloutEngine
+        from ..engine.config import DecodeConfig
 
         n = len(ctx.workload.requests)
-        decode = {} if self.decode_backend is None else {"decode_backend": self.decode_backend}
-        if self.shared_prefix_decode is not None:
-            decode["shared_prefix_decode"] = self.shared_prefix_decode
         self.engine = RolloutEngine(ctx.policy, EngineConfig(kv_cache_memory_bytes=ctx.kv_cache_bytes,
-                                                             max_num_seqs=max(256, n), **decode),
+                                                             max_num_seqs=max(256, n),
+                                                             decode=DecodeConfig(**(self.decode or {}))),
                                     seed=ctx.workload.seed)
 
     def _request(self, ctx, r: BenchRequest, max_new_tokens: int | None = None):
@@ -159,18 +157,18 @@ class EngineBackend(Backend):
         notes = [(f"prefix-cache hits {st.get('prefix_cache_hits')}, steps {st.get('steps')}, "
                   f"preemptions {st.get('num_preemptions')}; peak memory includes the preallocated "
                   f"{st['kv_cache_bytes'] / 2**30:.2f} GiB KV cache (--kv-cache-memory-bytes)")]
-        if st.get("decode_backend") == "static":
+        if st.get("decode_backend") in ("compiled", "graph"):
             if st.get("decode_shared_prefix"):
                 how = (f"steps reading a GRPO group's shared prompt once, from {st.get('decode_prefix_min_tokens')} "
                        f"shared tokens, {'run in the graph' if st.get('decode_prefix_compiled') else 'are eager'}")
             else:
                 how = "every row holds its whole history"
-            notes.append(f"captured decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
+            notes.append(f"compiled decode: warm-up {st.get('decode_warmup_s', 0.0):.1f} s at engine start (not "
                          f"timed), {st.get('decode_recompiles')} recompiles after it, "
                          f"{st.get('decode_eager_steps')} steps run eager ({how}), "
-                         f"{st.get('decode_trusted_steps', 0) + st.get('decode_guarded_steps', 0)} captured")
+                         f"{st.get('decode_trusted_steps', 0) + st.get('decode_guarded_steps', 0)} compiled")
         elif st.get("decode_backend_fallback"):
-            notes.append(f"decode_backend='auto' fell back to the eager workspace: {st['decode_backend_fallback']}")
+            notes.append(f"decode backend 'auto' fell back to the eager workspace: {st['decode_backend_fallback']}")
         return RunOutput(samples, notes, extra={"engine_stats": {k: v for k, v in st.items()
                                                                  if isinstance(v, (int, float, bool))}})
 
@@ -179,27 +177,27 @@ class EngineBackend(Backend):
         del self.engine
 
 
-class EngineStaticBackend(EngineBackend):
-    """The same engine with the captured decode step (``decode_backend="static"``), beside the eager one."""
+class EngineCompiledBackend(EngineBackend):
+    """The same engine with the compiled step forced on (``DecodeConfig(backend="compiled")``)."""
 
-    name = "engine-static"
-    decode_backend = "static"
+    name = "engine-compiled"
+    decode = {"backend": "compiled"}
 
 
 class EngineEagerBackend(EngineBackend):
-    """The same engine with every decode step eager (``decode_backend="workspace"``, the default before
-    ``"auto"``), beside the default one: what the captured step saves on a workload."""
+    """The same engine with every decode step eager (``DecodeConfig(backend="workspace")``), beside the default
+    one: what the compiled step saves on a workload."""
 
     name = "engine-eager"
-    decode_backend = "workspace"
+    decode = {"backend": "workspace"}
 
 
 class EngineWholeRowsBackend(EngineBackend):
-    """The same engine with every decode row holding its whole history (``shared_prefix_decode=False``): what
-    reading each GRPO group's prompt once per step saves."""
+    """The same engine with every decode row holding its whole history (``DecodeConfig(shared_prompt=False)``):
+    what reading each GRPO group's prompt once per step saves."""
 
     name = "engine-whole-rows"
-    shared_prefix_decode = False
+    decode = {"shared_prompt": False}
 
 
 # ============================================================================ HF generate
@@ -517,10 +515,12 @@ def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int
 
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (EngineBackend, HFSequentialBackend, HFBatchedBackend, TransformersCBBackend, VLLMBackend,
-                        SGLangBackend, EngineStaticBackend, EngineEagerBackend, EngineWholeRowsBackend)
+                        SGLangBackend, EngineCompiledBackend, EngineEagerBackend, EngineWholeRowsBackend)
 }
-# What runs without --backends: every backend but the opt-in variants of the engine: the captured decode forced
-# on, every step eager (the default, "auto", is captured on CPU: benchmarks/cpu/captured.md), and whole rows
-# (shared prefixes off, for comparison).
-DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineStaticBackend.name, EngineEagerBackend.name,
+# Old names of backends, still accepted by --backends.
+ALIASES = {"engine-static": EngineCompiledBackend.name}
+# What runs without --backends: every backend but the opt-in variants of the engine: the compiled step forced
+# on, every step eager (the default, "auto", is compiled on CPU: benchmarks/cpu/captured.md), and whole rows
+# (shared prompts off, for comparison).
+DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineCompiledBackend.name, EngineEagerBackend.name,
                                                      EngineWholeRowsBackend.name)]

@@ -1,4 +1,4 @@
-"""Captured vs eager decode on a deep dispatch-bound model, beside HF ``generate()`` in the same process.
+"""The compiled vs the eager decode step on a deep dispatch-bound model, beside HF ``generate()`` in the same process.
 
 The model is ``--workload overhead``'s: ``--model``'s config (tiny-lm: hidden 64) at ``layers`` decoder
 layers (36: Qwen2.5-3B's depth), random weights, LoRA r=``lora`` on every projection, so a step is dispatch,
@@ -11,9 +11,9 @@ not arithmetic. ``batch`` sequences with distinct random prompts of ``context`` 
   is not in it. (Before 2026-12-02 it was (time for 1 + steps tokens - time for 1 token) / steps, which a
   disturbed prefill could make negative.)
 - each engine decode backend: an ``EngineCore`` built (``warmup_s``: its construction, which compiles the
-  captured step), the prompts prefilled, then ``steps`` decode steps timed; recompiles = torch._dynamo graphs
-  compiled after construction. ``<backend>@<n>``: with ``EngineConfig.decode_layers_per_call=n`` (``auto@1``:
-  the default with one decoder layer per compiled call, as before units, engine/decode_units.py).
+  compiled step), the prompts prefilled, then ``steps`` decode steps timed; recompiles = torch._dynamo graphs
+  compiled after construction. ``<backend>@<n>``: with ``DecodeConfig.layers_per_call=n`` (``auto@1``:
+  the default with one decoder layer per compiled call, engine/decode/units.py).
 
 Rounds alternate HF and the backends so load changes on a shared machine hit all alike; figures are medians.
 
@@ -67,7 +67,7 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     t = time.perf_counter()
     core = setup(policy, backend, context, batch, steps, seed)  # built (and warmed), prefilled, one decode step
     built_s = time.perf_counter() - t
-    st = core.runner.static
+    st = core.runner.decode_steps.compiled
     g1 = _graphs()
     trust = st.trust if st is not None else None
     g, tr = (trust.guarded_steps, trust.trusted_steps) if trust is not None else (0, 0)
@@ -79,7 +79,7 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     out = {"step_ms": 1000 * statistics.median(times), "setup_s": built_s,
            "warmup_s": st.warmup_s if st is not None else 0.0,
            "graphs_at_warmup": g1 - g0, "recompiles_after_warmup": _graphs() - g1,
-           "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_backend,
+           "eager_steps": st.eager_steps if st is not None else None, "ran": core.runner.decode_steps.backend,
            "layers_per_call": getattr(st, "unit_size", None),
            "guarded_steps": trust.guarded_steps - g if trust is not None else None,
            "trusted_steps": trust.trusted_steps - tr if trust is not None else None}
@@ -87,7 +87,7 @@ def engine_run(policy, backend: str, context: int, batch: int, steps: int, seed:
     return out
 
 
-def run(model="tiny-lm", layers=8, batch=64, context=256, steps=32, backends=("workspace", "static"),
+def run(model="tiny-lm", layers=8, batch=64, context=256, steps=32, backends=("workspace", "compiled"),
         rounds=2, lora=8, seed=0) -> dict:
     from .harness import machine_info
     from .overhead import deep_policy
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--backends", default="workspace,static")
+    ap.add_argument("--backends", default="workspace,compiled")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..logs import get_logger
-from .backends import BACKENDS, BenchContext, spread
+from .backends import ALIASES, BACKENDS, BenchContext, spread
 from ..testing.oracles import perturb_lora, teacher_forced
 from ..testing.toy import model_path
 from .workloads import Workload, build_workload, image_inputs
@@ -287,7 +287,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
     """
     from ..models import load_model
 
-    names = list(dict.fromkeys(backends or BACKENDS))
+    names = list(dict.fromkeys(ALIASES.get(b, b) for b in (backends or BACKENDS)))
     unknown = [b for b in names if b not in BACKENDS]
     if unknown:
         raise ValueError(f"--backends: unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")

@@ -1,6 +1,6 @@
 """``--workload long``: decode cost as the context grows, and where a decode step's time goes.
 
-For each decode backend (engine/decode_backend.py) and each context length, ``batch`` sequences with distinct
+For each decode backend (engine/decode/) and each context length, ``batch`` sequences with distinct
 random prompts of that many tokens are prefilled and take one warm-up decode step (their rows join the decode
 workspace). Then ``steps`` decode steps of every configuration are timed interleaved (one step of each in
 turn, so load changes on a shared machine hit all alike); the median step gives decode tok/s.
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ..engine.decode_backend import DECODE_BACKENDS
+from ..engine.config import DECODE_BACKENDS
 
 LONG_DEFAULTS = {"batch": 32, "contexts": (256, 2048), "steps": 16, "backends": ("workspace", "gather")}
 GOAL_RATIO = 1.5
@@ -63,18 +63,20 @@ class Timed:
         setattr(self.obj, self.name, self.fn)
 
 
-# Decode backends of this workload: the engine's (engine/decode_backend.py, and "auto", the default), each also
-# with every row holding its whole history (``<backend>-whole-rows``: EngineConfig.shared_prefix_decode=False),
-# to compare with ``--group``.
+# Decode backends of this workload: the engine's (DecodeConfig.backend: "auto", the default, and the variants but
+# the CUDA-only graph step), each also with every row holding its whole history (``<backend>-whole-rows``:
+# DecodeConfig.shared_prompt=False), to compare with ``--group``. "static" is the old name of "compiled".
 WHOLE_ROWS = "-whole-rows"
-BACKENDS = ("auto", *DECODE_BACKENDS)
+BACKENDS = tuple(b for b in DECODE_BACKENDS if b != "graph")
+ALIASES = {"static": "compiled"}
 
 
 def backend_spec(backend: str) -> tuple[str, bool, int | None]:
     """(decode backend, whole rows, decoder layers per compiled call) of ``<backend>[-whole-rows][@<layers>]``
-    (``auto@1``: the default backend with EngineConfig.decode_layers_per_call=1)."""
+    (``auto@1``: the default backend with DecodeConfig.layers_per_call=1)."""
     name, _, per_call = backend.partition("@")
-    return name.removesuffix(WHOLE_ROWS), name.endswith(WHOLE_ROWS), int(per_call) if per_call else None
+    base = name.removesuffix(WHOLE_ROWS)
+    return ALIASES.get(base, base), name.endswith(WHOLE_ROWS), int(per_call) if per_call else None
 
 
 def _known(backend: str) -> bool:
@@ -89,7 +91,7 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int,
           min_prefix: int | None = None):
     """An engine core with ``batch`` random prompts of ``context`` tokens prefilled and joined: distinct, or
     ``batch / group`` prompts sampled ``group`` times each (a GRPO group: the samples share the prompt's KV)."""
-    from ..engine.config import EngineConfig, SamplingParams
+    from ..engine.config import DecodeConfig, EngineConfig, SamplingParams
     from ..engine.core import EngineCore
     from ..engine.inputs import PreparedPrompt
     from ..engine.kv_cache import KVCache
@@ -99,9 +101,10 @@ def setup(policy, backend: str, context: int, batch: int, steps: int, seed: int,
     per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
     kv_bytes = int(per_token * batch * (context + steps + 64) * 1.1)
     name, whole, per_call = backend_spec(backend)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, decode_backend=name, max_num_seqs=batch,
-                                           shared_prefix_decode=not whole, shared_prefix_min_tokens=min_prefix,
-                                           decode_layers_per_call=per_call), seed=seed)
+    decode = DecodeConfig(backend=name, shared_prompt=not whole, shared_prompt_min_tokens=min_prefix,
+                          layers_per_call=per_call)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, max_num_seqs=batch, decode=decode),
+                      seed=seed)
     g = torch.Generator().manual_seed(seed)
     vocab = len(policy.tokenizer)
     ids = None
@@ -124,10 +127,12 @@ def kv_read_ms(core, reps: int = 5) -> float:
     running = core.scheduler.running
     b = len(running)
     n = max(s.num_cached for s in running) + 1
-    ws = core.runner.workspace
-    if ws is not None and ws.has_prefixes:  # the rows' own positions, and each shared prefix once
+    ws = core.runner.decode_steps.workspace
+    if ws is not None and ws.has_shared:  # the rows' own positions, and each shared prompt once
         s_own = max(ws.own_lengths) + 1
-        views = [t[:b, :, :s_own] for t in ws.k + ws.v] + [t[:len(ws.plens), :, :max(ws.plens)] for t in ws.pk + ws.pv]
+        store = ws.store
+        views = [t[:b, :, :s_own] for t in ws.k + ws.v] + [t[:len(store.lengths), :, :max(store.lengths)]
+                                                           for t in store.k + store.v]
     elif ws is not None and ws.k:
         views = [t[:b, :, :n] for t in ws.k + ws.v]
     else:  # gather: the pool rows of the batch (as contiguous reads; the gather itself copies them)
@@ -143,11 +148,11 @@ def kv_read_ms(core, reps: int = 5) -> float:
 
 def attended_positions(core) -> int:
     """Positions of K/V history one decode step's attention reads, padding included: rows x (longest + 1), or
-    with shared prefixes the rows' own positions plus each prefix entry once."""
-    ws, running = core.runner.workspace, core.scheduler.running
+    with shared prompts the rows' own positions plus each shared prompt once."""
+    ws, running = core.runner.decode_steps.workspace, core.scheduler.running
     b = len(running)
-    if ws is not None and ws.has_prefixes:
-        return b * (max(ws.own_lengths) + 1) + len(ws.plens) * max(ws.plens)
+    if ws is not None and ws.has_shared:
+        return b * (max(ws.own_lengths) + 1) + len(ws.store.lengths) * max(ws.store.lengths)
     return b * (max(s.num_cached for s in running) + 1)
 
 
@@ -249,7 +254,7 @@ def run_long(model: str = "small-vlm", batch: int = 32, contexts=(256, 2048), st
         r = {"backend": backend, "context": ctx, "batch": batch, "steps": steps, "step_ms_median": 1000 * med,
              "step_ms_all": [round(1000 * x, 2) for x in times[cfg]], "decode_tok_s": batch / med,
              "kv_bytes_per_step": per_token * attended[cfg], "kv_read_ms": kv_read_ms(core),
-             "shared_prefix_steps": core.runner.workspace.prefix_steps if core.runner.workspace else 0}
+             "shared_prefix_steps": ws.shared_steps if (ws := core.runner.decode_steps.workspace) else 0}
         r.update(profiled_step(core))
         r.update(timed_shares(core, 8))
         r["logprob_drift"] = logprob_drift(policy, core, drift_samples) if drift_samples else None

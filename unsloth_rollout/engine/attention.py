@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_attention
+from . import internals
+from .decode import cpu_kernel
 from ..errors import CacheBypassError, ModelNotServableError, UnsupportedAttentionError  # noqa: F401  (re-exported)
 
 ATTN_NAME = "unsloth_rollout_attention"
@@ -61,13 +62,13 @@ class ForwardContext:
     check: bool = True  # count cache use (off inside a compiled region)
     spans: list | None = None
     inner: str = "sdpa"  # the model's own attention arithmetic: "sdpa" | "eager" | "fused" (flash/flex)
-    # decode over rows that hold only their own positions: the shared prefixes they attend to as well
-    # (prefix_batch.PrefixBatch; attention reads each once for all its rows, ``shared_prefix_decode``)
-    prefix: object | None = None
-    # the compiled decode: this layer's prefix-store tensors (pk, pv), so one graph serves every layer
-    prefix_kv: tuple | None = None
+    # decode over rows that hold only their own positions: the shared prompts they attend to as well
+    # (decode/shared_prompts.py; attention reads each once for all its rows, ``shared_prompt_attention``)
+    shared: object | None = None
+    # the compiled step: this layer's shared-prompt store tensors (pk, pv), so one graph serves every layer
+    shared_kv: tuple | None = None
     # decode: each row's query position, which is also its count of cached keys (keys 0..lengths[i] are real);
-    # with ``kernel`` the attention reads exactly those keys through engine/cpu_attention.py instead of a mask
+    # with ``kernel`` the attention reads exactly those keys through decode/cpu_kernel.py instead of a mask
     lengths: torch.Tensor | None = None
     kernel: bool = False
     # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
@@ -94,7 +95,7 @@ class ForwardContext:
         span), built once per forward."""
         r = self._masks.get(("range", window))
         if r is None:
-            r = self._masks[("range", window)] = cpu_attention.key_range(self.lengths, window)
+            r = self._masks[("range", window)] = cpu_kernel.key_range(self.lengths, window)
         return r
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -237,21 +238,21 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
     b, h, q, d = query.shape
     kvh = key.shape[1]
     kernel = (ctx.kernel and ctx.lengths is not None and ctx.block is None
-              and cpu_attention.supported(query, key, value))
+              and cpu_kernel.supported(query, key, value))
     mask = None if fast or kernel else ctx.additive_mask(window, query.dtype)
-    if ctx.prefix is not None:
+    if ctx.shared is not None:
         if q != 1 or window is not None or kwargs.get("softcap") is not None:
-            raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prefix decode step reached a layer "
+            raise UnsupportedAttentionError(f"{type(module).__name__}: a shared-prompt decode step reached a layer "
                                             "with a sliding window or soft-capping")
-        if kernel:  # each row's prefix entry, then its own keys, under one softmax (rows of a group: from cache)
-            pb = ctx.prefix
-            pk, pv = ctx.prefix_kv if ctx.prefix_kv is not None else (pb.pk[module.layer_idx], pb.pv[module.layer_idx])
-            out, _ = cpu_attention.decode_attention_prefixed(query, key, value, *ctx.key_range(None), pk, pv, pb.pe,
-                                                             pb.plen, scaling)
+        if kernel:  # each row's shared prompt, then its own keys, under one softmax (rows of a group: from cache)
+            pb = ctx.shared
+            pk, pv = ctx.shared_kv if ctx.shared_kv is not None else (pb.pk[module.layer_idx], pb.pv[module.layer_idx])
+            out, _ = cpu_kernel.decode_attention_prefixed(query, key, value, *ctx.key_range(None), pk, pv, pb.pe,
+                                                          pb.plen, scaling)
             return out.view(b, 1, h, d)
-        return shared_prefix_decode(query, key, value, mask, scaling, ctx.prefix, module.layer_idx)
+        return shared_prompt_attention(query, key, value, mask, scaling, ctx.shared, module.layer_idx)
     if kernel:  # one query per row over exactly its real keys, read in place (no mask)
-        out, _ = cpu_attention.decode_attention(query, key, value, *ctx.key_range(window), scaling)
+        out, _ = cpu_kernel.decode_attention(query, key, value, *ctx.key_range(window), scaling)
         return out.view(b, 1, h, d)
     if q == 1 and kvh != h and mask is not None:
         # One query per row (decode): the G = H / KV query heads that share a KV head become G query rows of
@@ -271,15 +272,14 @@ def _flash(q, k, v, mask, scale):
     """CPU flash attention with its log-sum-exp (what SDPA runs on CPU, minus the LSE it drops)."""
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                      scale=scale)
+    return internals.cpu_flash_attention(q, k, v, mask, scale)
 
 
-def shared_prefix_decode(query, key, value, mask, scaling, pb, layer_idx, own=None):
-    """A decode step's attention when rows hold only their own positions and several rows share a prefix.
+def shared_prompt_attention(query, key, value, mask, scaling, pb, layer_idx, own=None):
+    """A decode step's attention when rows hold only their own positions and several rows share a prompt.
 
     Each row attends to its own positions (``key`` / ``value``: the rows' ``[B, KV, L, D]``, ``mask``) and, when
-    it has one, to its prefix entry's positions: all the rows of an entry go in as query rows of one attention
+    it has one, to its shared prompt's positions: all the rows of an entry go in as query rows of one attention
     over the entry's keys, so a GRPO group's prompt is read once per step instead of once per sample. The two
     softmaxes are merged exactly by their log-sum-exps (``o = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2)``, as flash
     attention merges key blocks). Grouped-query heads as in the plain decode: query head i reads KV head i // G.

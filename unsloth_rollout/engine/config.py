@@ -7,9 +7,13 @@ Errors name the field, so a front end can hand them to the user as they are::
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import re
+import warnings
 from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidRequestError  # noqa: F401  (re-exported: imported from here)
@@ -155,103 +159,130 @@ class SamplingParams:
         return cls(**d)
 
 
+def _check_bool(value, name: str) -> None:
+    _check(isinstance(value, bool), name, f"must be True or False, got {value!r}")
+
+
+def _check_count(value, name: str, least: int, none: bool = True) -> None:
+    _check((none and value is None) or (_is_int(value) and value >= least), name,
+           f"must be an integer >= {least}{' or None' if none else ''}, got {value!r}")
+
+
+# The decode variants a config may name (decode/choose.py's BACKENDS, and "auto": its table).
+DECODE_BACKENDS = ("auto", "compiled", "graph", "workspace", "gather")
+
+
 @dataclass
-class EngineConfig:
-    """Engine sizing.
+class DecodeConfig:
+    """How decode steps run: one module per variant in engine/decode/, ``auto`` chosen by decode/choose.py.
 
     Args:
-        kv_cache_memory_bytes: KV cache budget. ``None``: a fraction of free memory
-            (``kv_cache_memory_fraction`` of free CUDA memory, or of available RAM capped at 1 GiB on CPU).
+        backend: "auto" (decode/choose.py's table), "compiled", "graph" (CUDA only), "workspace" or "gather".
+        compile_mode: the torch.compile mode of the compiled step (None: inductor's default).
+        layers_per_call: decoder layers of one kind per compiled call (None: 4 for served families, else 1).
+        shared_prompt: rows of one prompt hold its positions once and read them once per step (CPU, SDPA).
+        shared_prompt_min_tokens: fewest shared positions that make a shared prompt (None: decode/choose.py's).
+        cpu_kernel: CPU decode attention on the engine's kernel (decode/cpu_kernel.py; SDPA where it cannot).
+        workspace_bytes: most bytes the decode rows may hold beside the pool (None: the pool's size; 0: none).
+    """
+
+    backend: str = "auto"
+    compile_mode: str | None = None
+    layers_per_call: int | None = None
+    shared_prompt: bool = True
+    shared_prompt_min_tokens: int | None = None
+    cpu_kernel: bool = True
+    workspace_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.backend == "static":
+            _deprecated("decode backend 'static'", "'compiled'")
+            self.backend = "compiled"
+        if self.compile_mode == "cuda-graphs":
+            _deprecated("compile_mode='cuda-graphs'", "DecodeConfig(backend='graph')")
+            self.backend, self.compile_mode = "graph", None
+        _check(self.backend in DECODE_BACKENDS, "decode.backend",
+               f"must be one of {', '.join(map(repr, DECODE_BACKENDS))}, got {self.backend!r}")
+        _check(self.compile_mode is None or isinstance(self.compile_mode, str), "decode.compile_mode",
+               f"must be a torch.compile mode or None, got {self.compile_mode!r}")
+        _check_count(self.layers_per_call, "decode.layers_per_call", 1)
+        _check_bool(self.shared_prompt, "decode.shared_prompt")
+        _check_count(self.shared_prompt_min_tokens, "decode.shared_prompt_min_tokens", 1)
+        _check_bool(self.cpu_kernel, "decode.cpu_kernel")
+        _check_count(self.workspace_bytes, "decode.workspace_bytes", 0)
+
+
+@dataclass
+class PrefillConfig:
+    """How prompts are prefilled.
+
+    Args:
+        max_tokens: prompt tokens prefilled in one step (others wait for the next step).
+        chunk_tokens: most tokens in one prefill forward (a prompt's first runs through its last image placeholder).
+    """
+
+    max_tokens: int = 4096
+    chunk_tokens: int = 8192
+
+    def __post_init__(self):
+        _check_count(self.max_tokens, "prefill.max_tokens", 1, none=False)
+        _check_count(self.chunk_tokens, "prefill.chunk_tokens", 1, none=False)
+
+
+@dataclass
+class LoRAConfig:
+    """Adapters loaded by name (``load_lora_adapter``), bounded as vLLM's LoRAConfig bounds them.
+
+    Args:
+        max_lora_rank: adapters of a higher LoRA rank are refused (the policy's own adapter is not bound by it).
+        max_loras: most adapters loaded by name at once (None: no limit); a load beyond it is refused.
+    """
+
+    max_lora_rank: int = 256
+    max_loras: int | None = None
+
+    def __post_init__(self):
+        _check_count(self.max_lora_rank, "lora.max_lora_rank", 1, none=False)
+        _check_count(self.max_loras, "lora.max_loras", 1)
+
+
+@dataclass
+class MultiModalConfig:
+    """Images and vision tokens.
+
+    Args:
+        mm_processor_cache_bytes: image-processor outputs kept for images seen recently (engine/mm_cache.py); 0: off.
+        suppress_vision_tokens: never sample image/video pad or vision start/end tokens (logprobs are unaffected).
+    """
+
+    mm_processor_cache_bytes: int = 256 << 20
+    suppress_vision_tokens: bool = True
+
+    def __post_init__(self):
+        _check_count(self.mm_processor_cache_bytes, "multimodal.mm_processor_cache_bytes", 0, none=False)
+        _check_bool(self.suppress_vision_tokens, "multimodal.suppress_vision_tokens")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings: sizing at the top, one nested config per part, each handed whole to what it configures.
+
+    Args:
+        kv_cache_memory_bytes: KV cache budget (None: a fraction of free memory, at most 1 GiB on CPU).
+        kv_cache_memory_fraction: that fraction, when no budget is given.
         block_size: tokens per KV block (paged cache).
         max_num_seqs: most sequences decoding in one step.
-        max_model_len: longest prompt + output; default the model's max_position_embeddings (capped by the budget).
-        max_prefill_tokens: prompt tokens prefilled in one step (others wait for the next step).
-        prefill_chunk_tokens: most tokens in one prefill forward: packs of prompts stay within it, and a longer
-            prompt (a recompute after preemption or a weight change, a next turn's new tokens) is prefilled in
-            forwards of at most this many tokens, each attending to the KV of the ones before: activation memory
-            stays bounded by the chunk, not the prompt. The one exception: a prompt's first forward runs through
-            its last image placeholder (an image's tokens and pixels enter in one forward), however long.
-        suppress_vision_tokens: never sample image/video pad or vision start/end tokens (they would break
-            the trainer's forward); logprobs are unaffected.
+        max_model_len: longest prompt + output (None: the model's max_position_embeddings, capped by the budget).
         prefix_cache: share the KV of identical prompts (GRPO groups, n > 1) instead of prefilling again.
-        recompute_on_weight_change: when the weights change under sequences in flight (``set_version``,
-            ``weights_changed``, adapter or checkpoint loads), recompute their cached positions with the new
-            weights before their next token, so every token stamped v is sampled from and scored by weights v
-            (the default). False keeps the stale cache (faster, inexact): each output then says, per token,
-            the oldest weight version among the positions it attended to (``output_kv_versions``).
-        decode_compile: the compiled decode step: the same as ``decode_backend="static"`` (below), kept as a
-            switch of its own for existing configs.
-        decode_backend: how decode steps run (engine/decode_backend.py). "auto" (the default): "static" on a CPU
-            device with a C++ compiler for torch.compile and on CUDA for transformers + PEFT models in full or
-            half precision (measured faster there, benchmarks/gpu/README.md); "workspace" for 4-bit weights and
-            Unsloth-loaded models on CUDA (not yet measured compiled on a GPU), on other devices, and when the
-            static step cannot be compiled (the reason is in ``stats()["decode_backend_fallback"]``);
-            ``stats()["decode_backend"]`` says which runs.
-            "workspace": each running sequence owns a persistent row, filled once when it joins; no per-step copy
-            of the history; each step eager. "gather": every row's history gathered from the paged pool each step.
-            Memory: the workspace holds the running rows' history a second
-            time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``. Rows that
-            share a prompt's KV blocks (the samples of one GRPO prompt) hold the shared positions once, and
-            attention reads them once per step for all of them (the eager workspace only: CPU, full-attention
-            SDPA models; ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``,
-            ``["decode_prefix_steps"]``; a sample that decoded alone before its group's others arrived is moved to
-            the shared layout when they join: ``["decode_prefix_rehomed"]``).
-            "static" (engine/decode_static.py): the workspace rows read by one compiled decode step (dynamic
-            batch and context: no recompiles as sequences grow), compiled at engine start
-            (``stats()["decode_warmup_s"]``: one unit of decoder layers compiled per kind of layer,
-            ``decode_layers_per_call`` below; 19 s for units of 4 on a 2-core CPU whatever the depth, ~8 s when
-            inductor's on-disk cache holds it, benchmarks/cpu/captured.md); ``compile_mode`` is its
-            torch.compile mode, or "cuda-graphs": the step replayed whole as one CUDA graph per (batch bucket,
-            128-token key bucket), each graph's first replays checked against the unrecorded step
-            (engine/decode_graphs.py; CUDA only, off by default: not yet measured on a GPU). Steps it cannot serve (rows naming different adapters, a batch past the
-            workspace budget) run eager through the same rows (``stats()["decode_eager_steps"]``).
-        decode_layers_per_call: with the "static" step, how many consecutive decoder layers of one kind run as
-            one compiled call (engine/decode_units.py; ``stats()["decode_layers_per_call"]``). None (the default):
-            4 for the families whose transformers decoder loop passes each layer its predecessor's output and
-            the same arguments (the served ones), 1 for others. Fewer calls cost less Python per step (36 layers
-            x LoRA at batch 64 on a 2-core CPU: ~0.85x the step of one layer per call) and more compile time at
-            engine start (~2-3x). Each step checks that the model's loop passed every layer its predecessor's
-            output and the same arguments (where not, the engine runs one layer per call from then on), and
-            that no decoder layer itself has a hook (one per call while one is left, units again after); logged,
-            the step runs again, exactly.
-        decode_workspace_bytes: most bytes the decode workspace may hold (``None``: the KV pool's own size, so KV
-            takes at most twice ``kv_cache_memory_bytes`` in all; 0: never use it). A step whose batch would need
-            more (rows x its longest row, e.g. one long conversation beside many short rows) decodes through the
-            gather path instead: same tokens, memory bounded, never a preemption. ``stats()``:
-            ``decode_workspace_bytes`` (held now), ``decode_workspace_peak_bytes``, ``decode_workspace_fallbacks``.
-        shared_prefix_decode: with the workspace backend, rows that share a prompt's full KV blocks (the samples
-            of one GRPO prompt, through the prefix cache) hold those positions once, and each decode step reads
-            them once for all of those rows, merging the two attentions exactly by their log-sum-exps
-            (``attention.shared_prefix_decode``; with the CPU kernel, one softmax over each row's entry and then
-            its own keys: ``cpu_attention.decode_attention_prefixed``). Served on CPU for models whose every layer
-            attends with SDPA arithmetic over its whole history; elsewhere (and when False) every row holds its
-            whole history. With the CPU kernel the compiled step serves these steps too (the prefix store is a
-            graph input; ``stats()["decode_prefix_compiled"]``); without it they run eager.
-        shared_prefix_min_tokens: fewest shared positions for which rows share them (None: 32; 640 when the
-            compiled "static" step runs without the CPU kernel, whose steps reading shared prefixes then run eager:
-            compiled whole rows were faster there up to ~650-token prompts). With the kernel, on the bench's model
-            (GRPO groups of 8), compiled steps over prefix entries are faster than compiled whole rows from 128
-            shared tokens on (benchmarks/cpu/shared-prefix-crossover.md). Shorter shared prompts are held by every
-            row.
-        cpu_attention_kernel: on a CPU device, decode attention (one new token per row over its history) runs on
-            the engine's own kernel (engine/cpu_attention.py: each row's keys and values read once, in place, no
-            mask; SDPA's arithmetic within float32 rounding), built once per machine with the system C++ compiler
-            and cached. Where it cannot be built, or for shapes outside it (not float32, unusual head sizes), SDPA
-            runs as before; ``stats()["cpu_attention_kernel"]`` says which. ``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` turns
-            it off process-wide.
-        cpu_retain_freed_memory: on a CPU device, the first engine sets glibc's malloc to keep freed memory for
-            reuse instead of handing it back to the kernel (``engine/malloc.py``; process-wide): activations
-            stop faulting their pages in again at every prefill layer. Resident memory then stays near its peak.
-        max_lora_rank: adapters loaded by name (``load_lora_adapter``) with a higher LoRA rank are refused, as
-            vLLM's ``--max-lora-rank`` refuses them (vLLM's default is 16, sized for its kernels' buffers; here a
-            rank costs only its memory, so the default is 256). The policy's own adapter is not bound by it.
-        max_loras: most adapters loaded by name at once (None: no limit); a load beyond it is refused.
-        mm_processor_cache_bytes: most bytes of image-processor outputs kept for images seen recently
-            (engine/mm_cache.py; vLLM's ``mm_processor_cache_gb``), so the n requests of a GRPO group that carry
-            one image run the image processor once. Keyed by the images' content and the processed text: a hit
-            is what the processor returns. Encoded images (bytes, data URLs, base64 strings) are decoded once
-            as well, keyed by their bytes (file paths are read every time). 0 turns it off. ``stats()``:
-            ``mm_processor_cache_hits`` / ``_misses`` / ``_bytes`` (decodes and processor outputs together).
+        recompute_on_weight_change: recompute in-flight sequences' KV after a weight change (False: keep it, stale).
+        cpu_retain_freed_memory: on CPU, glibc's malloc keeps freed memory for reuse (engine/malloc.py).
+        prefill: ``PrefillConfig``.
+        lora: ``LoRAConfig``.
+        multimodal: ``MultiModalConfig``.
+        decode: ``DecodeConfig``.
+
+    The flat settings these nested configs replaced are accepted by their old names, with a DeprecationWarning
+    (``DEPRECATED_SETTINGS``; docs/config.md).
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -259,59 +290,83 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int | None = None
-    max_prefill_tokens: int = 4096
-    prefill_chunk_tokens: int = 8192
-    suppress_vision_tokens: bool = True
     prefix_cache: bool = True
     recompute_on_weight_change: bool = True
-    decode_compile: bool = False
-    compile_mode: str | None = None
-    decode_backend: str = "auto"
-    decode_workspace_bytes: int | None = None
-    shared_prefix_decode: bool = True
-    shared_prefix_min_tokens: int | None = None
-    decode_layers_per_call: int | None = None
-    cpu_attention_kernel: bool = True
     cpu_retain_freed_memory: bool = True
-    max_lora_rank: int = 256
-    max_loras: int | None = None
-    mm_processor_cache_bytes: int = 256 << 20
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self):
         _check(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes)
                                                        and self.kv_cache_memory_bytes > 0),
                "kv_cache_memory_bytes", f"must be a positive integer or None, got {self.kv_cache_memory_bytes!r}")
-        _check(0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction",
-               f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
-        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs",
-               f"must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
-               "max_model_len", f"must be >= 2 or None, got {self.max_model_len!r}")
-        _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
-               f"must be >= 1, got {self.max_prefill_tokens}")
-        _check(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
-               f"must be >= 1, got {self.prefill_chunk_tokens}")
-        _check(self.decode_workspace_bytes is None or (_is_int(self.decode_workspace_bytes)
-                                                        and self.decode_workspace_bytes >= 0),
-               "decode_workspace_bytes", f"must be an integer >= 0 or None, got {self.decode_workspace_bytes!r}")
-        _check(isinstance(self.shared_prefix_decode, bool), "shared_prefix_decode",
-               f"must be True or False, got {self.shared_prefix_decode!r}")
-        _check(self.shared_prefix_min_tokens is None or (_is_int(self.shared_prefix_min_tokens)
-                                                          and self.shared_prefix_min_tokens >= 1),
-               "shared_prefix_min_tokens", f"must be an integer >= 1 or None, got {self.shared_prefix_min_tokens!r}")
-        _check(self.decode_layers_per_call is None or (_is_int(self.decode_layers_per_call)
-                                                        and self.decode_layers_per_call >= 1),
-               "decode_layers_per_call", f"must be an integer >= 1 or None, got {self.decode_layers_per_call!r}")
-        _check(isinstance(self.cpu_attention_kernel, bool), "cpu_attention_kernel",
-               f"must be True or False, got {self.cpu_attention_kernel!r}")
-        _check(isinstance(self.cpu_retain_freed_memory, bool), "cpu_retain_freed_memory",
-               f"must be True or False, got {self.cpu_retain_freed_memory!r}")
-        _check(self.decode_backend in ("auto", "gather", "workspace", "static"), "decode_backend",
-               f"must be 'auto', 'gather', 'workspace' or 'static', got {self.decode_backend!r}")
-        _check(_is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "max_lora_rank",
-               f"must be an integer >= 1, got {self.max_lora_rank!r}")
-        _check(_is_int(self.mm_processor_cache_bytes) and self.mm_processor_cache_bytes >= 0,
-               "mm_processor_cache_bytes", f"must be an integer >= 0, got {self.mm_processor_cache_bytes!r}")
-        _check(self.max_loras is None or (_is_int(self.max_loras) and self.max_loras >= 1), "max_loras",
-               f"must be an integer >= 1 or None, got {self.max_loras!r}")
+        _check(_is_num(self.kv_cache_memory_fraction) and 0 < self.kv_cache_memory_fraction <= 1,
+               "kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        _check_count(self.block_size, "block_size", 1, none=False)
+        _check_count(self.max_num_seqs, "max_num_seqs", 1, none=False)
+        _check_count(self.max_model_len, "max_model_len", 2)
+        _check_bool(self.prefix_cache, "prefix_cache")
+        _check_bool(self.recompute_on_weight_change, "recompute_on_weight_change")
+        _check_bool(self.cpu_retain_freed_memory, "cpu_retain_freed_memory")
+        for name, cls in _NESTED.items():  # a dict (YAML, JSON) becomes the nested config
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, value := cls(**value))
+            _check(isinstance(value, cls), name, f"must be a {cls.__name__}, got {value!r}")
+
+    def __getattr__(self, name: str):
+        """An old flat name read (``config.decode_backend``): its nested value, with a DeprecationWarning."""
+        where = DEPRECATED_NAMES.get(name)
+        if where is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        part, key = where
+        _deprecated(f"EngineConfig.{name}", f"EngineConfig.{part}.{key}")
+        return getattr(getattr(self, part), key)
+
+
+_NESTED = {"prefill": PrefillConfig, "lora": LoRAConfig, "multimodal": MultiModalConfig, "decode": DecodeConfig}
+
+# The flat settings the nested configs replaced: old name -> (nested config, its field).
+DEPRECATED_NAMES = {
+    "max_prefill_tokens": ("prefill", "max_tokens"), "prefill_chunk_tokens": ("prefill", "chunk_tokens"),
+    "max_lora_rank": ("lora", "max_lora_rank"), "max_loras": ("lora", "max_loras"),
+    "mm_processor_cache_bytes": ("multimodal", "mm_processor_cache_bytes"),
+    "suppress_vision_tokens": ("multimodal", "suppress_vision_tokens"),
+    "decode_backend": ("decode", "backend"), "compile_mode": ("decode", "compile_mode"),
+    "decode_layers_per_call": ("decode", "layers_per_call"), "shared_prefix_decode": ("decode", "shared_prompt"),
+    "shared_prefix_min_tokens": ("decode", "shared_prompt_min_tokens"),
+    "cpu_attention_kernel": ("decode", "cpu_kernel"), "decode_workspace_bytes": ("decode", "workspace_bytes"),
+}
+# Every old name ``EngineConfig()`` accepts: those, and ``decode_compile=True`` (backend "compiled").
+DEPRECATED_SETTINGS = frozenset(DEPRECATED_NAMES) | {"decode_compile"}
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=4)
+
+
+_dataclass_init = EngineConfig.__init__
+
+
+def _init(self, *args, **kwargs):
+    """The dataclass's ``__init__``, with the old flat names moved into their nested configs (and a warning)."""
+    if "decode_compile" in kwargs:  # the compiled step's old switch: the same as backend "compiled"
+        _deprecated("EngineConfig(decode_compile=True)", "EngineConfig(decode=DecodeConfig(backend='compiled'))")
+        if kwargs.pop("decode_compile"):
+            kwargs["decode_backend"] = "compiled"
+    moved: dict[str, dict] = {}
+    for name in [k for k in kwargs if k in DEPRECATED_NAMES]:
+        part, key = DEPRECATED_NAMES[name]
+        _deprecated(f"EngineConfig({name}=...)", f"EngineConfig({part}={_NESTED[part].__name__}({key}=...))")
+        moved.setdefault(part, {})[key] = kwargs.pop(name)
+    for part, values in moved.items():
+        given = kwargs.get(part)
+        base = given if isinstance(given, _NESTED[part]) else _NESTED[part](**(given or {}))
+        kwargs[part] = dataclasses.replace(base, **values)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__signature__ = inspect.signature(_dataclass_init)
+EngineConfig.__init__ = _init

@@ -73,23 +73,20 @@ class EngineCore:
         self.policy = policy
         self.config = config
         self.tokenizer = policy.tokenizer
-        self.inputs = InputPreparer(policy, config.mm_processor_cache_bytes)
+        self.inputs = InputPreparer(policy, config.multimodal.mm_processor_cache_bytes)
         self.kv = build_kv_cache(text_dims(policy.text_config), policy.dtype, policy.device, config)
         model_max = getattr(policy.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or getattr(policy, "max_seq_length", None) or model_max,
                                  model_max)
         self._vision_ids = frozenset(self.inputs.vision_token_ids()) if policy.is_vlm else frozenset()
-        self.runner = ModelRunner(policy, self.kv, config.decode_compile, config.compile_mode, config.decode_backend,
-                                  config.prefill_chunk_tokens, self._vision_ids, config.decode_workspace_bytes,
-                                  config.shared_prefix_decode, config.cpu_attention_kernel,
-                                  config.shared_prefix_min_tokens, config.decode_layers_per_call)
-        self.runner.weights_clock = self.weights = WeightsClock()  # the captured step re-checks on a change
+        self.weights = WeightsClock()  # the version and the stale-KV rule; the compiled step re-checks on a change
+        self.runner = ModelRunner(policy, self.kv, config, self._vision_ids, self.weights)
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
-        suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
+        suppress = sorted(self._vision_ids) if (policy.is_vlm and config.multimodal.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
         self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.prefill.max_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
@@ -197,12 +194,12 @@ class EngineCore:
 
     def _packs(self, jobs: dict) -> list[list]:
         """The keys of ``jobs`` in packed forwards: same adapter, packable vision inputs, at most
-        ``max_prefill_tokens``, ``prefill_chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt alone,
+        ``prefill.max_tokens``, ``prefill.chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt alone,
         where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there). A job
         that extends a cached prompt (``start`` > 0) runs alone, from where that prompt ends."""
         packs, open_by_adapter = [], {}
         # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
-        limit = min(self.config.max_prefill_tokens, self.config.prefill_chunk_tokens, PACK_MAX_TOKENS)
+        limit = min(self.config.prefill.max_tokens, self.config.prefill.chunk_tokens, PACK_MAX_TOKENS)
         for key, job in jobs.items():
             if job.start:
                 continue

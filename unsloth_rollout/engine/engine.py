@@ -105,17 +105,17 @@ class RolloutEngine:
         """Load a PEFT adapter folder that requests select with ``lora_name=name`` (models/weights.py).
 
         Refused before anything changes, with InvalidRequestError naming the reason (``AdapterNotFoundError``
-        when there is no adapter at ``path``): DoRA, ``modules_to_save``, a rank above ``config.max_lora_rank``,
+        when there is no adapter at ``path``): DoRA, ``modules_to_save``, a rank above ``config.lora.max_lora_rank``,
         modules or shapes the model lacks (another base model), unreadable weights, more than
-        ``config.max_loras`` adapters. The policy's own adapter stays active for requests without a lora_name.
+        ``config.lora.max_loras`` adapters. The policy's own adapter stays active for requests without a lora_name.
         ``load_inplace=True`` replaces a loaded adapter's weights: its requests in flight continue, recomputed
         with the new weights (a refused replacement leaves the old one serving).
         """
         had = name in self.policy.adapter_paths
         with self.driver.step_lock:
             try:
-                rewrapped = policy_weights.load_adapter(self.policy, name, path, self.config.max_lora_rank,
-                                                        self.config.max_loras, replace=load_inplace)
+                rewrapped = policy_weights.load_adapter(self.policy, name, path, self.config.lora.max_lora_rank,
+                                                        self.config.lora.max_loras, replace=load_inplace)
             finally:
                 if had and name not in self.policy.adapter_paths:  # the old weights are gone: its requests too
                     self.driver.abort_adapter(name, f"adapter {name!r} could not be reloaded")

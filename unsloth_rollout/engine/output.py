@@ -7,6 +7,7 @@ may still cut, and the bytes of an incomplete UTF-8 character, are held back unt
 
 from __future__ import annotations
 
+from .internals import tokenizer_backend
 from .request import StreamDelta
 from .sequence import Sequence
 
@@ -14,7 +15,7 @@ from .sequence import Sequence
 def _stream_backend(tokenizer):
     """The ``tokenizers`` backend whose DecodeStream can decode a fast tokenizer's output incrementally, or None
     (slow tokenizers, and those whose decode cleans up spaces afterwards, are decoded whole)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = tokenizer_backend(tokenizer)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
     try:

@@ -39,13 +39,13 @@ _LPT, _T, _TOPK, _TOPP, _MINP, _GREEDY, _REP, _FREQ, _PRES = range(9)
 
 
 def _param_row(s: Sequence, vocab: int) -> tuple:
-    row = s.__dict__.get("_sampling_row")
+    row = s.sampling_row
     if row is None:
         sp = s.sampling
         k = min(sp.top_k, vocab) if sp.top_k > 0 else 0  # min(): a top_k above the vocabulary keeps every token
         row = (sp.logprob_temperature, 1.0 if sp.greedy else sp.temperature, k, sp.top_p, sp.min_p,
                1.0 if sp.greedy else 0.0, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)
-        s.__dict__["_sampling_row"] = row
+        s.sampling_row = row
     return row
 
 

@@ -53,6 +53,7 @@ class Sequence:
         # Structured outputs: this sample's grammar state (engine/constraints.py), and per token the logprob
         # renormalised over the tokens the grammar allowed (None for an unconstrained sample).
         self.constraint = None
+        self.sampling_row = None  # the sampler's parameter row of this sample, built at its first token (sampler.py)
         self.output_constrained_logprobs: list[float] | None = None
         self.status = Status.WAITING
         self.finish_reason: str | None = None

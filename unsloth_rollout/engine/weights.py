@@ -1,7 +1,8 @@
 """The weight clock and the stale-KV rule: what a weight change means for tokens and cached KV.
 
-Every in-place change of the policy's weights is a method of the policy (``models/policy.py``: adapters, base
-weights, checkpoints; an optimizer step changes them too) followed by ``RolloutEngine.weights_changed()``, which
+Every in-place change of the policy's weights is a function of ``models/weights.py`` (adapters loaded or unloaded
+by name, base weights, checkpoints; an optimizer step changes them too) followed by
+``RolloutEngine.weights_changed()``, which
 bumps the ``WeightsClock`` here. At the next step boundary ``WeightsClock.apply`` drops prefix entries computed by
 other weights and sends every sequence whose KV they computed back to be recomputed (the preemption path), so each
 token stamped v is sampled from and scored by weights v. Find every change with ``grep -rn "weights_changed("``.
@@ -23,6 +24,7 @@ import operator
 import threading
 
 from ..logs import get_logger
+from .internals import children
 
 log = get_logger("unsloth_rollout")
 # Per LoRA layer (PEFT's BaseTunerLayer), the attributes that choose what its forward computes.
@@ -114,5 +116,5 @@ class WeightsClock:
 def _homes(model, layers: list) -> tuple[list, list, list]:
     """(each LoRA layer's parent's ``_modules`` dict, its name there, the layer): ``watch`` checks it is still there."""
     want = {id(m) for m in layers}
-    home = {id(c): (p._modules, n) for p in model.modules() for n, c in p._modules.items() if id(c) in want}
+    home = {id(c): (children(p), n) for p in model.modules() for n, c in children(p).items() if id(c) in want}
     return [home[id(m)][0] for m in layers], [home[id(m)][1] for m in layers], list(layers)

@@ -26,10 +26,13 @@ ENGINE_FLAGS = {
     "kv_cache_memory_fraction": "that fraction, when no budget is given",
     "max_num_seqs": "most sequences decoding in one step",
     "prefix_cache": "do not share the KV of identical prompt prefixes",
-    "max_lora_rank": "refuse adapters of a higher LoRA rank (/server_info's lora_config reports it)",
-    "max_loras": "most adapters loaded by name at once (default: no limit)",
-    "mm_processor_cache_bytes": "bytes of image-processor outputs kept for repeated images, e.g. 4GiB; 0: off "
-                                "(default: 256MiB)",
+}
+# Fields of EngineConfig's nested configs the command line sets, under vLLM's flag names: config -> field -> help.
+NESTED_ENGINE_FLAGS = {
+    "lora": {"max_lora_rank": "refuse adapters of a higher LoRA rank (/server_info's lora_config reports it)",
+             "max_loras": "most adapters loaded by name at once (default: no limit)"},
+    "multimodal": {"mm_processor_cache_bytes": "bytes of image-processor outputs kept for repeated images, e.g. "
+                                               "4GiB; 0: off (default: 256MiB)"},
 }
 
 
@@ -50,8 +53,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
     g = p.add_argument_group("engine")
     options = {name: {"help": text} for name, text in ENGINE_FLAGS.items()}
-    options["kv_cache_memory_bytes"]["type"] = options["mm_processor_cache_bytes"]["type"] = parse_bytes
+    options["kv_cache_memory_bytes"]["type"] = parse_bytes
     add_dataclass_arguments(g, EngineConfig, names=ENGINE_FLAGS, options=options)
+    nested = _nested_configs()
+    for part, flags in NESTED_ENGINE_FLAGS.items():
+        options = {name: {"help": text} for name, text in flags.items()}
+        if "mm_processor_cache_bytes" in options:
+            options["mm_processor_cache_bytes"]["type"] = parse_bytes
+        add_dataclass_arguments(g, nested[part], names=flags, options=options)
     g.add_argument("--mm-processor-cache-gb", type=float, default=None,
                    help="vLLM's spelling of --mm-processor-cache-bytes, in GiB")
     g.add_argument("--seed", type=int, default=None, help="sampler seed for requests without their own seed")
@@ -79,7 +88,16 @@ def engine_config(args: argparse.Namespace):
 
     if args.mm_processor_cache_gb is not None:
         args.mm_processor_cache_bytes = int(args.mm_processor_cache_gb * (1 << 30))
-    return from_namespace(EngineConfig, args, names=ENGINE_FLAGS)
+    nested = _nested_configs()
+    return from_namespace(EngineConfig, args, names=ENGINE_FLAGS,
+                          **{part: from_namespace(nested[part], args, names=flags)
+                             for part, flags in NESTED_ENGINE_FLAGS.items()})
+
+
+def _nested_configs() -> dict:
+    from ..engine.config import LoRAConfig, MultiModalConfig
+
+    return {"lora": LoRAConfig, "multimodal": MultiModalConfig}
 
 
 def build_app(args: argparse.Namespace):

@@ -72,12 +72,13 @@ def server_config(state: ServerState) -> dict:
                          "num_cpu_blocks": 0, "enable_prefix_caching": cfg.prefix_cache, "cache_dtype": "auto"},
         "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                             "world_size": 1},
-        "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_prefill_tokens,
+        "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.prefill.max_tokens,
                              "max_model_len": engine.max_model_len, "enable_chunked_prefill": True},
         # Adapters are served by the engine itself (PEFT, any target module, vision tower included).
         # The limits the engine enforces at load (EngineConfig); no max_loras: no limit, so any count a client checks.
-        "lora_config": {"max_lora_rank": cfg.max_lora_rank,
-                        "max_loras": cfg.max_loras if cfg.max_loras is not None else 2**31 - 1, "max_cpu_loras": None,
+        "lora_config": {"max_lora_rank": cfg.lora.max_lora_rank,
+                        "max_loras": cfg.lora.max_loras if cfg.lora.max_loras is not None else 2**31 - 1,
+                        "max_cpu_loras": None,
                         "fully_sharded_loras": False, "lora_dtype": "auto"},
         # None unless --weight-transfer-config (TRL then refuses server-mode full-weight sync at start, by name).
         "weight_transfer_config": opts.weight_transfer_config,

@@ -71,7 +71,7 @@ class Mix:
     rows: list
     events: list
     early: bool = False  # fire the events right after the first wave is submitted (still queued), not mid-decode
-    backend: str = "workspace"  # EngineConfig.decode_backend ("auto", the default: the compiled step on CPU)
+    backend: str = "workspace"  # DecodeConfig.backend ("auto", the default: the compiled step on CPU)
     max_num_seqs: int = 256
 
 
@@ -190,6 +190,7 @@ class _Probe:
 
 def _engine(fm, mix: Mix, reqs, small: bool):
     from .. import EngineConfig, RolloutEngine
+    from ..engine.config import DecodeConfig, PrefillConfig
     from ..engine.kv_cache import KVCache
     from ..models.families import text_dims
 
@@ -199,8 +200,8 @@ def _engine(fm, mix: Mix, reqs, small: bool):
     if small:  # room for the longest alone (and a spare block), far from all of them together
         need = [-(-(len(_prepare(fm, r)) + r.sampling.max_new_tokens) // bs) * r.sampling.n for r in reqs]
         budget = per_token * bs * max(max(need) + 2, sum(need) // 3)
-    cfg = EngineConfig(kv_cache_memory_bytes=budget, block_size=bs, prefill_chunk_tokens=mix.chunk,
-                       decode_backend=mix.backend, max_num_seqs=mix.max_num_seqs)
+    cfg = EngineConfig(kv_cache_memory_bytes=budget, block_size=bs, prefill=PrefillConfig(chunk_tokens=mix.chunk),
+                       decode=DecodeConfig(backend=mix.backend), max_num_seqs=mix.max_num_seqs)
     return RolloutEngine(fm.policy, cfg, seed=0)
 
 

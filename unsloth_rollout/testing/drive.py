@@ -3,6 +3,7 @@ arrivals mid-decode with a forced preemption on a ``RolloutEngine``.
 
 Example::
 
+    core = engine_core(policy, kv_tokens=256, decode=DecodeConfig(backend="workspace"))
     seqs = add_sequences(core, prompts, max_new=[8] * len(prompts), temperature=0)
     step_until_idle(core, max_steps=2000)
     outs, stats = run_staggered(engine, early=[req_a, req_b], late=[req_c])
@@ -11,6 +12,20 @@ Example::
 from __future__ import annotations
 
 import time
+
+from ..engine.config import EngineConfig
+from ..engine.core import EngineCore
+from ..engine.kv_cache import KVCache
+from ..models.families import text_dims
+
+
+def engine_core(policy, kv_tokens: int | None = None, budget: int = 64 << 20, block_size: int = 16,
+                **config) -> EngineCore:
+    """An ``EngineCore`` (seed 0) whose KV pool holds ``kv_tokens`` positions (None: ``budget`` bytes), with the
+    other ``EngineConfig`` settings given."""
+    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
+    kv_bytes = per_token * kv_tokens if kv_tokens else budget
+    return EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, block_size=block_size, **config), seed=0)
 
 
 def add_sequences(core, prompts: list[list[int]], max_new: list[int], n: int = 1, seed_by_prompt: bool = False,

@@ -1,4 +1,4 @@
-"""The decode workspace stays inside its byte budget (``EngineConfig.decode_workspace_bytes``, by default the KV
+"""The decode workspace stays inside its byte budget (``DecodeConfig.workspace_bytes``, by default the KV
 pool's size) under the worst mix: one long row beside many short ones, where rows x longest row would be many times
 the pool. Such steps decode through the gather path: tokens equal HF ``generate()``'s, logprobs the teacher-forced
 forward's."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, InvalidRequestError, SamplingParams, load_model
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.engine.core import EngineCore
-from unsloth_rollout.engine.decode_backend import DecodeWorkspace
+from unsloth_rollout.engine.decode.workspace import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.models.families import text_dims
@@ -38,8 +39,8 @@ def test_one_long_row_beside_many_short_stays_inside_the_budget(qwen2_dir, budge
     kv_bytes = int(need * 1.3) * per_token  # the KV budget 30% above what the batch needs
     ws_bytes = None if budget is None else kv_bytes // 2
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=kv_bytes, block_size=16,
-                                           decode_workspace_bytes=ws_bytes), seed=0)
-    ws = core.runner.workspace
+                                           decode=DecodeConfig(workspace_bytes=ws_bytes)), seed=0)
+    ws = core.runner.decode_steps.workspace
     assert ws.budget_bytes == (core.kv.memory_bytes if budget is None else ws_bytes)
     # Rows x longest row, as an unbounded workspace pads them: many times the pool.
     assert (1 + N_SHORT) * (LONG + max_new[0]) * per_token > 4 * core.kv.memory_bytes
@@ -67,18 +68,20 @@ def test_one_long_row_beside_many_short_stays_inside_the_budget(qwen2_dir, budge
 
 def test_a_zero_budget_always_gathers_and_a_negative_one_is_refused(qwen2_dir):
     policy = load_model(qwen2_dir, backend="transformers")
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=4 << 20, decode_workspace_bytes=0), seed=0)
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=4 << 20, decode=DecodeConfig(workspace_bytes=0)),
+                      seed=0)
     ids = policy.tokenizer.encode("alice counts apples")
     s = Sequence("r", 0, PreparedPrompt(ids), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     core.add(s)
-    before = core.runner.workspace.fallbacks  # the engine's own probe at construction
+    before = core.runner.decode_steps.workspace.fallbacks  # the engine's own probe at construction
     while core.scheduler.has_work():
         core.step()
-    assert core.runner.workspace.memory_bytes == 0 and core.runner.workspace.fallbacks - before == 5
+    ws = core.runner.decode_steps.workspace
+    assert ws.memory_bytes == 0 and ws.fallbacks - before == 5
     ref = policy.model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert s.output_ids == ref[0, len(ids):].tolist()
-    with pytest.raises(InvalidRequestError, match="decode_workspace_bytes"):
-        EngineConfig(decode_workspace_bytes=-1)
+    with pytest.raises(InvalidRequestError, match="decode.workspace_bytes"):
+        EngineConfig(decode=DecodeConfig(workspace_bytes=-1))
 
 
 def test_rows_keep_their_history_when_the_budget_reshapes_the_workspace():

@@ -1,8 +1,8 @@
-"""Shared-prefix decode (engine/decode_backend.py prefix store, attention.shared_prefix_decode): the samples of
-one prompt read its KV once per step, and still produce exactly what a plain decode would.
+"""Shared prompts (engine/decode/shared_prompts.py, attention.shared_prompt_attention): the samples of one prompt
+read its KV once per step, and still produce exactly what a plain decode would.
 
 Oracles: HF greedy generate() (tokens), a teacher-forced forward (logprobs of sampled rows), the plain
-workspace decode of the same seeded requests (tokens), the paged pool (what the prefix store and the rows
+workspace decode of the same seeded requests (tokens), the paged pool (what the shared-prompt store and the rows
 hold), and the split attention against SDPA over the whole history.
 """
 
@@ -12,26 +12,24 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
-from unsloth_rollout.engine.attention import shared_prefix_decode
+from unsloth_rollout.engine.config import DecodeConfig
+from unsloth_rollout.engine.attention import shared_prompt_attention
 from unsloth_rollout.engine.core import EngineCore
-from unsloth_rollout.engine.decode_backend import DecodeWorkspace
+from unsloth_rollout.engine.decode.workspace import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.models.families import text_dims
-from unsloth_rollout.testing.drive import add_sequences, step_until_idle
+from unsloth_rollout.testing.drive import add_sequences, engine_core, step_until_idle
 from unsloth_rollout.testing.families import FAMILIES, family_model_path
 from unsloth_rollout.testing.oracles import assert_greedy_matches, perturb_lora, teacher_forced_logprobs
 
 
 def _core(policy, shared: bool, kv_tokens: int | None = None) -> EngineCore:
-    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
-    budget = per_token * kv_tokens if kv_tokens else 64 << 20
-    # shared_prefix_min_tokens=32: these prompts are short, and the default under the compiled step is 640
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, shared_prefix_min_tokens=32),
-                      seed=0)
-    assert core.runner.workspace.shared_prefix, "qwen2 (full attention, SDPA) is served with shared prefixes"
-    core.runner.workspace.shared_prefix = shared
+    # shared_prompt_min_tokens=32: these prompts are short, and the default under the compiled step is 640
+    core = engine_core(policy, kv_tokens, decode=DecodeConfig(shared_prompt_min_tokens=32))
+    ws = core.runner.decode_steps.workspace
+    assert ws.shared_prompts, "qwen2 (full attention, SDPA) is served with shared prompts"
+    ws.shared_prompts = shared
     return core
 
 
@@ -43,14 +41,14 @@ def _prompts(tok):
 
 def _run_watching(core, prompts, max_new, n, temperature):
     seqs = add_sequences(core, prompts, max_new, n=n, seed_by_prompt=True, temperature=temperature)
-    ws, seen = core.runner.workspace, {"entries": 0, "steps": 0}
+    ws, seen = core.runner.decode_steps.workspace, {"entries": 0, "steps": 0}
     for _ in range(4000):
         if not core.scheduler.has_work():
             break
         core.step()
-        if ws.has_prefixes:
+        if ws.has_shared:
             seen["steps"] += 1
-            seen["entries"] = max(seen["entries"], len(ws.pkeys))
+            seen["entries"] = max(seen["entries"], len(ws.store.keys))
             assert all((o > 0) == (e >= 0) for o, e in zip(ws.origins, ws.row_entry))
     return seqs, seen
 
@@ -63,7 +61,7 @@ def test_groups_read_their_prompt_once_and_decode_exactly(qwen2_dir):
     core = _core(policy, shared=True)
     seqs, seen = _run_watching(core, prompts, max_new, n=4, temperature=0.0)
     assert seen["entries"] == 3 and seen["steps"] >= 9, seen
-    assert core.runner.workspace.prefix_steps == seen["steps"]
+    assert core.runner.decode_steps.workspace.shared_steps == seen["steps"]
     for s in seqs:
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
                                     do_sample=False, min_new_tokens=len(s.output_ids))[0, len(s.prompt_ids):]
@@ -79,7 +77,7 @@ def test_groups_read_their_prompt_once_and_decode_exactly(qwen2_dir):
         assert (torch.tensor(a.output_logprobs) - tf).abs().max() <= 1e-5
 
 
-def test_shared_prefix_survives_preemption_and_recompute(qwen2_dir):
+def test_shared_prompts_survive_preemption_and_recompute(qwen2_dir):
     policy = load_model(qwen2_dir, backend="transformers")
     prompts = _prompts(policy.tokenizer)
     core = _core(policy, shared=True, kv_tokens=16 * 14)  # too small for every sample's growth: preemption
@@ -107,7 +105,7 @@ def _staggered(policy, shared: bool, prompt, steps_alone: int, temperature: floa
         core.step()
     for s in seqs[1:]:
         core.add(s)
-    ws, seen = core.runner.workspace, []
+    ws, seen = core.runner.decode_steps.workspace, []
     while core.scheduler.has_work():
         core.step()
         if ws.rows:
@@ -115,7 +113,7 @@ def _staggered(policy, shared: bool, prompt, steps_alone: int, temperature: floa
     return core, seqs, seen
 
 
-def test_a_sample_that_decoded_alone_joins_its_group_s_shared_prefix(qwen2_dir):
+def test_a_sample_that_decoded_alone_joins_its_group_s_shared_prompt(qwen2_dir):
     """The first sample's row was whole (nothing shared its blocks when it joined). Once its siblings arrive,
     every row of the group holds only its own positions: the longest own part is the generated tail, not the
     prompt, and the tokens and logprobs are those of the whole-rows decode."""
@@ -126,7 +124,7 @@ def test_a_sample_that_decoded_alone_joins_its_group_s_shared_prefix(qwen2_dir):
     for shared in (True, False):
         core, outs[shared], seen = _staggered(policy, shared, prompt, steps_alone=5, temperature=1.0)
         if shared:
-            assert core.runner.workspace.rehomed == 1
+            assert core.runner.decode_steps.workspace.rehomed == 1
             full = [(o, m) for o, m in seen if len(o) == 4]
             assert full and all(min(o) == shared_len >= 64 for o, _ in full), seen[:3]
             # the partial block and the generated tail, never the whole prompt
@@ -139,23 +137,23 @@ def test_a_sample_that_decoded_alone_joins_its_group_s_shared_prefix(qwen2_dir):
         assert (torch.tensor(a.output_logprobs) - tf).abs().max() <= 1e-5
 
 
-def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match():
+def test_the_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match():
     torch.manual_seed(0)
     cache = KVCache(2, 2, 8, num_blocks=40, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
     for t in cache.k + cache.v:
         t.copy_(torch.randn_like(t))
-    ws = DecodeWorkspace(cache, min_capacity=4, budget_bytes=1 << 20, shared_prefix=True, min_prefix=8)
+    ws = DecodeWorkspace(cache, min_capacity=4, budget_bytes=1 << 20, shared_prompts=True, min_shared_tokens=8)
     prompt = cache.allocate(3)  # 12 shared positions
     tables = {(f"s{i}", 0): cache.share(prompt) + cache.allocate(2) for i in range(3)}
     tables[("lone", 0)] = cache.allocate(5)
     keys = list(tables)
     lens = [14, 14, 14, 14]
     ws.arrange(keys, lens, [tables[k] for k in keys])
-    assert len(ws.pkeys) == 1 and ws.plens == [12] and ws.prefs == [3]
+    assert len(ws.store.keys) == 1 and ws.store.lengths == [12] and ws.store.readers == [3]
     assert sorted(ws.origins) == [0, 12, 12, 12]
     slots = torch.tensor(cache.slots(prompt, 0, 12))
     for i in range(2):
-        assert torch.equal(ws.pk[i][0, :, :12], cache.k[i][slots].transpose(0, 1))
+        assert torch.equal(ws.store.k[i][0, :, :12], cache.k[i][slots].transpose(0, 1))
     for r, k in enumerate(ws.keys):  # each row holds exactly its positions past its origin
         o = ws.origins[r]
         own = torch.tensor(cache.slots(tables[k], o, 14))
@@ -163,7 +161,7 @@ def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match(
     # Every sharer leaves: the entry goes. The prompt's blocks are freed and reused for other KV: sequences
     # sharing them get a new entry (the blocks' generations moved on), filled with the new KV, never the old copy.
     ws.arrange([("lone", 0)], [14], [tables[("lone", 0)]])
-    assert not ws.pkeys and ws.origins == [0]
+    assert not ws.store.keys and ws.origins == [0]
     old_key = tuple((b, cache.generation[b]) for b in prompt)
     for k in keys[:3]:
         cache.free(tables[k][3:])
@@ -178,10 +176,10 @@ def test_prefix_store_holds_the_pool_and_blocks_reused_for_other_kv_never_match(
         t[fresh] = torch.randn(12, 2, 8)
     new_tables = {(f"t{i}", 0): cache.share(again) + cache.allocate(1) for i in range(2)}
     ws.arrange([("lone", 0)] + list(new_tables), [14, 13, 13], [tables[("lone", 0)]] + list(new_tables.values()))
-    assert len(ws.pkeys) == 1 and ws.pkeys[0] != old_key
+    assert len(ws.store.keys) == 1 and ws.store.keys[0] != old_key
     for i in range(2):
-        assert torch.equal(ws.pk[i][0, :, :12], cache.k[i][fresh].transpose(0, 1))
-        assert torch.equal(ws.pv[i][0, :, :12], cache.v[i][fresh].transpose(0, 1))
+        assert torch.equal(ws.store.k[i][0, :, :12], cache.k[i][fresh].transpose(0, 1))
+        assert torch.equal(ws.store.v[i][0, :, :12], cache.v[i][fresh].transpose(0, 1))
 
 
 def test_rows_are_sized_to_what_each_row_holds_of_its_own():
@@ -191,20 +189,21 @@ def test_rows_are_sized_to_what_each_row_holds_of_its_own():
     prompt = cache.allocate(25)  # 100 shared positions
     tables = {(f"s{i}", 0): cache.share(prompt) + cache.allocate(1) for i in range(4)}
     keys = list(tables)
-    ws = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
+    ws = DecodeWorkspace(cache, min_capacity=4, shared_prompts=True, min_shared_tokens=8)
     ws.arrange(keys, [101] * 4, [tables[k] for k in keys], hint=(4, 100 + 20, [120] * 4))
     assert ws.origins == [100] * 4
     assert ws.k[0].shape[0] == 4 and 21 <= ws.k[0].shape[2] <= 32, ws.k[0].shape
-    ws2 = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
+    ws2 = DecodeWorkspace(cache, min_capacity=4, shared_prompts=True, min_shared_tokens=8)
     lone = cache.allocate(2)
-    ws2.arrange(keys + [("lone", 0)], [101] * 4 + [6], [tables[k] for k in keys] + [lone], hint=(5, 120, [120] * 4 + [16]))
+    ws2.arrange(keys + [("lone", 0)], [101] * 4 + [6], [tables[k] for k in keys] + [lone], hint=(5, 120,
+                                                                                                 [120] * 4 + [16]))
     assert sorted(ws2.origins) == [0, 100, 100, 100, 100]
     assert ws2.k[0].shape[2] <= 32, "a short whole row beside the group does not size every row to the prompt"
 
 
-def test_the_prefix_store_holds_as_many_entries_as_groups():
+def test_the_store_holds_as_many_entries_as_groups():
     """Groups joining in one step (the first decode step after a GRPO prefill), their prompts of growing lengths:
-    the prefix store is sized once, to the groups' count and the longest prompt, and each entry holds its own
+    the store is sized once, to the groups' count and the longest prompt, and each entry holds its own
     prompt's keys. (Grown entry by entry, it doubled its entries whenever a longer prompt came: 1024 entries for
     16 groups.) Groups arriving in a later step grow it by half again."""
     cache = KVCache(2, 2, 8, num_blocks=400, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
@@ -216,18 +215,19 @@ def test_the_prefix_store_holds_as_many_entries_as_groups():
         for j in range(3):
             tables[(f"g{g}s{j}", 0)] = cache.share(prompt) + cache.allocate(1)
             lengths[(f"g{g}s{j}", 0)] = 4 * (3 + g) + 1
-    ws = DecodeWorkspace(cache, min_capacity=4, shared_prefix=True, min_prefix=8)
+    ws = DecodeWorkspace(cache, min_capacity=4, shared_prompts=True, min_shared_tokens=8)
     keys = [k for k in tables if int(k[0][1:k[0].index("s")]) < 8]
     ws.arrange(keys, [lengths[k] for k in keys], [tables[k] for k in keys], hint=(30, 60))
-    assert len(ws.pkeys) == 8 and ws.pk[0].shape[0] == 8, ws.pk[0].shape
-    assert ws.pk[0].shape[2] == 48 and ws.plens == sorted(ws.plens), "entries in order of length"
-    for e, key in enumerate(ws.pkeys):
-        slots = torch.tensor(cache.slots([b for b, _ in key], 0, ws.plens[e]))
-        assert torch.equal(ws.pk[1][e, :, :ws.plens[e]], cache.k[1][slots].transpose(0, 1))
+    assert len(ws.store.keys) == 8 and ws.store.k[0].shape[0] == 8, ws.store.k[0].shape
+    assert ws.store.k[0].shape[2] == 48 and ws.store.lengths == sorted(ws.store.lengths), "entries in order of length"
+    for e, key in enumerate(ws.store.keys):
+        slots = torch.tensor(cache.slots([b for b, _ in key], 0, ws.store.lengths[e]))
+        assert torch.equal(ws.store.k[1][e, :, :ws.store.lengths[e]], cache.k[1][slots].transpose(0, 1))
     ws.advance()
     later = keys + [k for k in tables if k not in keys]
     ws.arrange(later, [lengths[k] + (k in keys) for k in later], [tables[k] for k in later], hint=(30, 60))
-    assert len(ws.pkeys) == 10 and ws.pk[0].shape[0] == 12 and ws.pk[0].shape[2] == 48, ws.pk[0].shape
+    store = ws.store
+    assert len(store.keys) == 10 and store.k[0].shape[0] == 12 and store.k[0].shape[2] == 48, store.k[0].shape
 
 
 @pytest.mark.parametrize("chunks", [None, [(0, 1, 16), (1, 2, 24)]])
@@ -235,9 +235,9 @@ def test_the_prefix_store_holds_as_many_entries_as_groups():
 def test_split_attention_equals_sdpa_over_the_whole_history(g, chunks):
     """The merged (prefix + own) attention against SDPA over prefix ++ own positions, rows with and without a
     prefix, entries of different lengths, one padded member slot; the entries read in one attention call, or in
-    two, each padded only to its own longest entry (``prefix_chunks``)."""
+    two, each padded only to its own longest entry (``prompt_chunks``)."""
     torch.manual_seed(0)
-    from unsloth_rollout.engine.prefix_batch import PrefixBatch
+    from unsloth_rollout.engine.decode.shared_prompts import SharedPromptBatch
 
     kvh, d, bs = 2, 16, 8
     plens, members = [16, 24], [[0, 2, 3], [4]]  # row 1 has no prefix
@@ -257,9 +257,9 @@ def test_split_attention_equals_sdpa_over_the_whole_history(g, chunks):
     pmax = max(plens)
     pmask = torch.zeros(2, 1, 1, pmax).masked_fill_(
         (torch.arange(pmax).view(1, -1) >= torch.tensor(plens).view(-1, 1)).view(2, 1, 1, pmax), float("-inf"))
-    pb = PrefixBatch(pk, pv, 2, pmax, m, pmask, torch.tensor([x + [x[0]] * (m - len(x)) for x in members]),
+    pb = SharedPromptBatch(pk, pv, 2, pmax, m, pmask, torch.tensor([x + [x[0]] * (m - len(x)) for x in members]),
                      torch.tensor(entry), torch.tensor(slot), torch.tensor(alone), chunks)
-    out = shared_prefix_decode(q, k, v, mask, d ** -0.5, pb, 0)
+    out = shared_prompt_attention(q, k, v, mask, d ** -0.5, pb, 0)
     for r in range(b):
         keys, vals = k[r, :, :own[r] + 1], v[r, :, :own[r] + 1]
         if not alone[r]:
@@ -271,21 +271,21 @@ def test_split_attention_equals_sdpa_over_the_whole_history(g, chunks):
         assert (out[r].view(kvh, g, d) - ref[0]).abs().max() <= 1e-6
 
 
-def test_prefix_entries_are_read_in_two_calls_only_when_that_saves_reads():
+def test_store_entries_are_read_in_two_calls_only_when_that_saves_reads():
     """One call pads every entry to the longest; a split into two contiguous ranges pays for its extra call
     (SPLIT_COST positions) in padded positions it does not read."""
-    from unsloth_rollout.engine.prefix_batch import SPLIT_COST, prefix_chunks
+    from unsloth_rollout.engine.decode.shared_prompts import SPLIT_COST, prompt_chunks
 
-    assert prefix_chunks([256]) == [(0, 1, 256)]
-    assert prefix_chunks([64, 64, 64]) == [(0, 3, 64)], "equal lengths: nothing to save"
+    assert prompt_chunks([256]) == [(0, 1, 256)]
+    assert prompt_chunks([64, 64, 64]) == [(0, 3, 64)], "equal lengths: nothing to save"
     # 8 short entries and 2 long ones, in order of length (as arrange creates them): split between them
-    assert prefix_chunks([48] * 8 + [256] * 2) == [(0, 8, 48), (8, 10, 256)]
+    assert prompt_chunks([48] * 8 + [256] * 2) == [(0, 8, 48), (8, 10, 256)]
     # saving less than one call's cost: one call
     small = [128 - SPLIT_COST // 8] + [128]
-    assert prefix_chunks(small) == [(0, 2, 128)]
+    assert prompt_chunks(small) == [(0, 2, 128)]
     # any order: each range padded to its own longest, and never more padded positions than one call
     plens = [96, 256, 48, 160, 32, 256, 80]
-    chunks = prefix_chunks(plens)
+    chunks = prompt_chunks(plens)
     assert chunks[0][0] == 0 and chunks[-1][1] == len(plens) and all(c[1] == n[0] for c, n in zip(chunks, chunks[1:]))
     assert all(p == max(plens[a:b]) for a, b, p in chunks)
     assert sum((b - a) * p for a, b, p in chunks) + SPLIT_COST * (len(chunks) - 1) <= len(plens) * max(plens)
@@ -298,7 +298,7 @@ def _windowed_or_capped(cfg) -> bool:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(family):
+def test_every_family_serves_groups_exactly_with_or_without_shared_prompts(family):
     """A GRPO group of 4 samples of a ~60-token prompt beside a lone prompt: tokens equal HF greedy; sampled
     logprobs equal a teacher-forced forward. Families with windows or soft-capping are refused the split by the
     engine's probe (what their layers ask of the attention), not by a list."""
@@ -307,17 +307,18 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(fami
     perturb_lora(policy.model, std=0.3)
     tok = policy.tokenizer
     text = " ".join(["alice", "counts", "seven", "apples", "in", "paris"] * 10)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8, shared_prefix_min_tokens=32),
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8,
+                                           decode=DecodeConfig(shared_prompt_min_tokens=32)),
                       seed=0)
-    ws = core.runner.workspace
-    assert ws.shared_prefix == (not _windowed_or_capped(policy.text_config)), family
+    ws = core.runner.decode_steps.workspace
+    assert ws.shared_prompts == (not _windowed_or_capped(policy.text_config)), family
     greedy = add_sequences(core, [tok.encode(text), tok.encode(text[:40])], [10, 10], n=3, temperature=0.0)
     sp = SamplingParams(max_new_tokens=10, n=4, temperature=1.0, seed=3, ignore_eos=True)
     sampled = [Sequence("sampled", j, PreparedPrompt(tok.encode(text[5:])), sp) for j in range(4)]
     for seq in sampled:
         core.add(seq)
     step_until_idle(core, max_steps=500)
-    assert (ws.prefix_steps > 0) == ws.shared_prefix
+    assert (ws.shared_steps > 0) == ws.shared_prompts
     for s in greedy:
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=10, min_new_tokens=10,
                                     do_sample=False)[0, len(s.prompt_ids):]
@@ -328,8 +329,8 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prefixes(fami
 
 
 def test_the_compiled_step_reads_short_shared_prompts_once_too(qwen2_dir):
-    """With the compiled decode step on the CPU kernel (the CPU default), steps over prefix entries run in the graph,
-    so a group's prompt gets an entry from 32 shared positions (``shared_prefix_min_tokens=None``), as with the
+    """With the compiled decode step on the CPU kernel (the CPU default), steps over store entries run in the graph,
+    so a group's prompt gets an entry from 32 shared positions (``shared_prompt_min_tokens=None``), as with the
     eager workspace; without the kernel those steps would run eager, and only prompts of 640+ shared positions get
     one. A group of a short prompt and one of a long prompt: read once, compiled; tokens equal HF greedy."""
     policy = load_model(qwen2_dir, backend="transformers")
@@ -337,42 +338,45 @@ def test_the_compiled_step_reads_short_shared_prompts_once_too(qwen2_dir):
     short = tok.encode(" ".join(["apple", "bob", "count", "dog"] * 20))[:80]
     long_ = (tok.encode(" ".join(["carol", "eats", "nine", "figs"] * 200)) * 2)[:700]
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16), seed=0)
-    assert core.runner.decode_backend == "static" and core.runner.workspace.min_prefix == 32
-    ws, st = core.runner.workspace, core.runner.static
+    assert core.runner.decode_steps.backend == "compiled" and core.runner.decode_steps.workspace.store.min_tokens == 32
+    ws, st = core.runner.decode_steps.workspace, core.runner.decode_steps.compiled
     seqs = add_sequences(core, [short, long_], [12, 6], n=4, temperature=0.0)
     step_until_idle(core, max_steps=500)
-    assert ws.prefix_steps > 0 and st.eager_steps == 0 and st.recompiles == 0
+    assert ws.shared_steps > 0 and st.eager_steps == 0 and st.recompiles == 0
     for s in seqs:
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
                                     min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
         assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="qwen2")
-    no_kernel = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, cpu_attention_kernel=False), seed=0)
-    assert no_kernel.runner.decode_backend == "static" and no_kernel.runner.workspace.min_prefix == 640
-    assert not no_kernel.runner.static.prefixed()
-    eager = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode_backend="workspace"), seed=0)
-    assert eager.runner.workspace.min_prefix == 32
+    no_kernel = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode=DecodeConfig(cpu_kernel=False)),
+                           seed=0)
+    steps = no_kernel.runner.decode_steps
+    assert steps.backend == "compiled" and steps.workspace.store.min_tokens == 640
+    assert not no_kernel.runner.decode_steps.compiled.reads_shared()
+    eager = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode=DecodeConfig(backend="workspace")),
+                       seed=0)
+    assert eager.runner.decode_steps.workspace.store.min_tokens == 32
 
 
-@pytest.mark.parametrize("backend", ["static", "workspace"])
-def test_shared_prefix_steps_run_compiled_without_recompiling(qwen2_dir, backend):
-    """The compiled step (the CPU default) reads each row's prefix entry inside the graph (the CPU kernel's
-    prefixed op: the entry's keys, then the row's own, under one softmax): steps over prefix entries are not
+@pytest.mark.parametrize("backend", ["compiled", "workspace"])
+def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend):
+    """The compiled step (the CPU default) reads each row's store entry inside the graph (the CPU kernel's
+    prefixed op: the entry's keys, then the row's own, under one softmax): steps over store entries are not
     eager and compile nothing after warm-up, while groups join, finish and leave entries behind. Tokens equal HF
     greedy's; sampled logprobs equal a teacher-forced forward (a LoRA model). The eager workspace runs the same
     op, for the same results."""
     policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
     perturb_lora(policy.model, std=0.3)
-    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16, decode_backend=backend,
-                                           shared_prefix_min_tokens=32), seed=0)
-    ws, st = core.runner.workspace, core.runner.static
-    assert (st is not None and st.prefixed()) == (backend == "static")
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
+                                           decode=DecodeConfig(backend=backend, shared_prompt_min_tokens=32)), seed=0)
+    ws, st = core.runner.decode_steps.workspace, core.runner.decode_steps.compiled
+    assert (st is not None and st.reads_shared()) == (backend == "compiled")
     prompts = _prompts(policy.tokenizer)
     seqs, seen = _run_watching(core, prompts, [20, 8, 14], n=4, temperature=0.0)
     sampled, seen2 = _run_watching(core, prompts[1:], [10, 12], n=3, temperature=1.0)
     assert seen["entries"] == 3 and seen["steps"] >= 8 and seen2["steps"] >= 8, (seen, seen2)
-    assert seen["steps"] + seen2["steps"] - 2 <= ws.prefix_steps <= seen["steps"] + seen2["steps"]  # (prefills)
-    if backend == "static":
-        assert st.eager_steps == 0 and st.recompiles == 0 and st.steps >= ws.prefix_steps
+    assert seen["steps"] + seen2["steps"] - 2 <= ws.shared_steps <= seen["steps"] + seen2["steps"]  # (prefills)
+    if backend == "compiled":
+        assert st.eager_steps == 0 and st.recompiles == 0 and st.steps >= ws.shared_steps
     for s in seqs:
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
                                     min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]

@@ -1,4 +1,4 @@
-"""The decode workspace (engine/decode_backend.py): no per-step copy of the KV history, rows never stale.
+"""The decode workspace (engine/decode/workspace.py): no per-step copy of the KV history, rows never stale.
 
 Oracles: the paged pool itself (every workspace row must hold exactly the pool's positions of its sequence),
 HF greedy generate() and a teacher-forced forward (outputs through the workspace under preemption), and
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.core import EngineCore
-from unsloth_rollout.engine.decode_backend import DecodeWorkspace
+from unsloth_rollout.engine.decode.workspace import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.kv_cache import KVCache
-from unsloth_rollout.models.families import text_dims
 from unsloth_rollout.engine.sequence import Sequence
-from unsloth_rollout.testing.drive import add_sequences, step_until_idle
+from unsloth_rollout.testing.drive import add_sequences, engine_core, step_until_idle
 
 
 def _rows_equal_pool(ws: DecodeWorkspace, cache: KVCache, tables: dict) -> None:
@@ -78,7 +78,7 @@ def test_workspace_grows_once_to_the_hinted_batch_within_its_budget():
         for n_rows, length in ((2, 5), (4, 9), (6, 20), (6, 40)):
             keys = list(tables)[:n_rows]
             ws.arrange(keys, [length] * n_rows, [tables[k] for k in keys], hint)
-            assert ws._ensure(n_rows, length + 1)
+            assert ws.ensure(n_rows, length + 1)
             _rows_equal_pool(ws, cache, {k: tables[k] for k in keys})
         return ws
 
@@ -92,11 +92,8 @@ def test_workspace_grows_once_to_the_hinted_batch_within_its_budget():
     assert tight.memory_bytes <= 6 * 48 * per and not tight.gathering
 
 
-def _core(policy, backend: str, kv_tokens: int | None = None, **kw) -> EngineCore:
-    per_token = KVCache.bytes_per_token(*text_dims(policy.text_config), policy.dtype)
-    budget = per_token * kv_tokens if kv_tokens else 64 << 20
-    return EngineCore(policy, EngineConfig(kv_cache_memory_bytes=budget, block_size=16, decode_backend=backend,
-                                           **kw), seed=0)
+def _core(policy, backend: str, kv_tokens: int | None = None) -> EngineCore:
+    return engine_core(policy, kv_tokens, decode=DecodeConfig(backend=backend))
 
 
 def _run(core: EngineCore, prompts: list[list[int]], max_new: list[int], temperature: float, n: int = 1):
@@ -114,7 +111,7 @@ def test_workspace_decode_equals_hf_and_teacher_forced_under_preemption(qwen2_di
     core = _core(policy, "workspace", kv_tokens=16 * 10)
     seqs = _run(core, prompts, max_new, temperature=0.0)
     assert core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
-    assert core.runner.workspace.fills > len(seqs), "a recomputed sequence must join (be refilled) again"
+    assert core.runner.decode_steps.workspace.fills > len(seqs), "a recomputed sequence must join (be refilled) again"
     for s in seqs:
         assert s.finish_reason == "length", s.error
         ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
@@ -151,9 +148,9 @@ def test_decode_step_copies_no_kv_history(qwen2_dir):
                                                                           ignore_eos=True)))
     for _ in range(3):  # prefill, then the first decode step (the rows join: filled from the pool once)
         core.step()
-    fills = core.runner.workspace.fills
+    fills = core.runner.decode_steps.workspace.fills
     assert pool_reads(core) == []
-    assert core.runner.workspace.fills == fills and core.runner.workspace.rows == 4
+    assert core.runner.decode_steps.workspace.fills == fills and core.runner.decode_steps.workspace.rows == 4
     # The gather backend does copy (the profile can see the difference).
     core = _core(policy, "gather")
     for i, ids in enumerate(prompts):
@@ -170,7 +167,7 @@ def test_a_decode_step_builds_its_attention_mask_once_not_per_layer(qwen2_dir, k
     The CPU attention kernel reads each row's key range and needs no mask at all."""
     policy = load_model(qwen2_dir, backend="transformers")
     core = _core(policy, "workspace", cpu_attention_kernel=kernel)
-    assert core.runner._kernel == kernel
+    assert core.runner.kernel == kernel
     for i in range(3):
         ids = policy.tokenizer.encode("alice counts twelve apples " * (2 + 3 * i))  # rows of three lengths
         core.add(Sequence(f"r{i}", 0, PreparedPrompt(ids), SamplingParams(max_new_tokens=20, temperature=0,
@@ -192,7 +189,7 @@ def test_offload_releases_the_workspace(qwen2_dir):
     try:
         [out] = engine.generate(GenerationRequest(input_ids=policy.tokenizer.encode("alice and bob"),
                                                   sampling=SamplingParams(max_new_tokens=8, temperature=0)))
-        ws = engine.core.runner.workspace
+        ws = engine.core.runner.decode_steps.workspace
         held = sum(t.numel() * t.element_size() for t in ws.k + ws.v)
         assert held > 0 and engine.stats()["decode_workspace_bytes"] == held
         engine.offload()
@@ -203,129 +200,3 @@ def test_offload_releases_the_workspace(qwen2_dir):
         assert again.output_ids == out.output_ids
     finally:
         engine.shutdown()
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl", "gemma3", "llava", "mistral3", "idefics3", "qwen3_vl"])
-def test_packed_prefill_equals_one_prompt_at_a_time(model_dirs, arch):
-    """Distinct prompts of different lengths (images of different sizes, M-RoPE rows; Gemma 3's bidirectional
-    image blocks) prefilled in one packed forward give the logits, rope deltas and cached keys/values of
-    prefilling each alone."""
-    from unsloth_rollout.testing.toy import random_images
-    from unsloth_rollout import GenerationRequest
-    from unsloth_rollout.testing.vlm_families import vlm_family_path
-
-    path = model_dirs[arch] if arch in ("qwen2", "qwen2_5_vl") else vlm_family_path(arch)
-    policy = load_model(path, backend="transformers")
-    core = _core(policy, "workspace")
-    words = "alice bob counts twelve red apples at the market".split()
-    prompts = []
-    for i, k in enumerate([1, 0, 2, 1]):
-        text = " ".join(words[: 2 + 2 * i])
-        if policy.is_vlm:
-            msgs = [{"role": "user", "content": [{"type": "image"}] * k + [{"type": "text", "text": text}]}]
-            req = GenerationRequest(messages=msgs, images=random_images(k, seed=i))
-        else:
-            req = GenerationRequest(input_ids=policy.tokenizer.encode(text * (i + 1)))
-        prompts.append(core.inputs.prepare(req))
-    assert all(core.runner.can_pack(p) for p in prompts)
-    runner, kv = core.runner, core.kv
-    tables = [kv.allocate(-(-len(p.prompt_ids) // kv.block_size)) for p in prompts]
-    items = [(p.prompt_ids, kv.slots(t, 0, len(p.prompt_ids)), p) for p, t in zip(prompts, tables)]
-    with torch.inference_mode(), policy.inference():
-        packed = runner.prefill_packed(items)
-        pack_ctx = runner._last_ctx  # each prompt attended alone: no mask over the whole pack was built
-        assert [e - s for s, e in pack_ctx.spans] == [len(p.prompt_ids) for p in prompts] and not pack_ctx._masks
-        packed_kv = [[(kv.k[i][torch.tensor(s)].clone(), kv.v[i][torch.tensor(s)].clone())
-                      for i in range(kv.num_layers)] for _, s, _ in items]
-        for (ids, slots, p), (logits, delta), cached in zip(items, packed, packed_kv):
-            policy.clear_rope_deltas() if hasattr(policy, "clear_rope_deltas") else None
-            alone, alone_delta = runner.prefill(ids, slots, p)
-            assert alone_delta == delta
-            assert (alone - logits).abs().max() <= 1e-5
-            for i in range(kv.num_layers):
-                assert (kv.k[i][torch.tensor(slots)] - cached[i][0]).abs().max() <= 1e-5
-                assert (kv.v[i][torch.tensor(slots)] - cached[i][1]).abs().max() <= 1e-5
-    if arch in ("qwen2_5_vl", "qwen3_vl"):
-        assert any(d != 0 for _, d in packed), "M-RoPE rows with images have a non-zero rope delta"
-
-
-def test_distinct_prompts_admitted_together_share_one_prefill_forward(qwen2_dir):
-    policy = load_model(qwen2_dir, backend="transformers")
-    core = _core(policy, "workspace")
-    prompts = [policy.tokenizer.encode("alice counts apples " * (1 + i)) for i in range(5)]
-    seqs = _run(core, prompts, [6] * 5, temperature=0.0, n=2)
-    assert core.stats["prefills"] == 5 and core.stats["prefill_forwards"] == 1
-    for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=6, do_sample=False,
-                                    min_new_tokens=6)[0, len(s.prompt_ids):]
-        assert s.output_ids == ref.tolist()
-
-
-def test_batched_penalties_and_bans_equal_a_per_row_reference():
-    """The sampler's batched penalties and min-token bans, against the per-row arithmetic written out by hand."""
-    from unsloth_rollout.engine.sampler import Sampler
-
-    torch.manual_seed(0)
-    vocab, eos = 50, 7
-    params = [dict(repetition_penalty=1.7), dict(frequency_penalty=0.9, presence_penalty=0.4), dict(),
-              dict(repetition_penalty=0.6, frequency_penalty=1.5, min_new_tokens=5, stop_token_ids=[3, 11]),
-              dict(min_new_tokens=9), dict(presence_penalty=2.0, ignore_eos=True, min_new_tokens=4)]
-    seqs = []
-    for i, p in enumerate(params):
-        s = Sequence("r", i, PreparedPrompt([int(x) for x in torch.randint(0, vocab, (6,))]),
-                     SamplingParams(temperature=0, **p))
-        s.output_ids = [int(x) for x in torch.randint(0, vocab, (i + 2,))]
-        seqs.append(s)
-    logits = torch.randn(len(seqs), vocab + 3) * 3  # padded vocabulary columns, as lm heads have
-    logits[:, [eos, 3, 11]] += 20  # banned tokens would win without the bans
-    want = []
-    for i, s in enumerate(seqs):
-        sp, row = s.sampling, logits[i].clone()
-        for t in set(s.all_ids):
-            row[t] = row[t] / sp.repetition_penalty if row[t] > 0 else row[t] * sp.repetition_penalty
-        for t in set(s.output_ids):
-            row[t] -= sp.frequency_penalty * s.output_ids.count(t) + sp.presence_penalty
-        if len(s.output_ids) < sp.min_new_tokens:
-            for t in list(sp.stop_token_ids) + ([] if sp.ignore_eos else [eos]):
-                row[t] = float("-inf")
-        want.append(int(row.argmax()))
-    res = Sampler(vocab, [eos], [], seed=0)(logits, seqs)
-    assert res.tokens == want
-    assert res.tokens[5] == eos or res.tokens[5] in (3, 11)  # ignore_eos and no stop ids: nothing banned
-
-
-def test_sequences_recomputed_after_a_weight_change_share_one_forward(qwen2_dir):
-    """A weight change mid-generation puts every running sequence back to be recomputed (prompt + output so far);
-    the resumed sequences run in one packed forward, and what they decode next is what HF greedy generate()
-    continues with from the same tokens under the new weights."""
-    policy = load_model(qwen2_dir, backend="transformers")
-    core = _core(policy, "workspace")
-    tok = policy.tokenizer
-    prompts = [tok.encode("alice counts apples " * (1 + i)) for i in range(4)]
-    seqs = []
-    for i, ids in enumerate(prompts):
-        sp = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
-        seqs.append(Sequence(f"r{i}", 0, PreparedPrompt(ids), sp))
-        core.add(seqs[-1])
-    while min(len(s.output_ids) for s in seqs) < 5:
-        core.step()
-    before = [list(s.output_ids) for s in seqs]
-    with torch.no_grad():  # new weights: every layer's o_proj scaled (greedy continuations change)
-        for name, p in policy.model.named_parameters():
-            if name.endswith("o_proj.weight"):
-                p.mul_(1.5)
-    core.weights.bump(1, None)
-    forwards, recomputes = core.stats["prefill_forwards"], core.stats["weight_recomputes"]
-    core.step()
-    assert core.stats["weight_recomputes"] - recomputes == 4
-    assert core.stats["prefill_forwards"] - forwards == 1, "the four recomputes must share one forward"
-    while core.scheduler.has_work():
-        core.step()
-    for s, done in zip(seqs, before):
-        assert s.output_ids[: len(done)] == done
-        ids = torch.tensor([s.prompt_ids + done])
-        ref = policy.model.generate(ids, max_new_tokens=14 - len(done), min_new_tokens=14 - len(done),
-                                    do_sample=False)[0, ids.shape[1]:]
-        assert s.output_ids[len(done):] == ref.tolist()
-        lp, _ = teacher_forced_logprobs(policy, s.prompt_ids + done, s.output_ids[len(done):])
-        assert (lp - torch.tensor(s.output_logprobs[len(done):])).abs().max() <= 1e-5

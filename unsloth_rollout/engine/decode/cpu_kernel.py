@@ -21,14 +21,14 @@ running torch, ~6 s once) so that neither an eager call nor a compiled graph's c
 that library does not build, the op is a Python custom op over ctypes (same kernel; ``op_registration()`` says
 which).
 
-Rows of a GRPO group that hold only their own positions (the decode workspace's shared prefixes) reach it as
-``decode_attention_prefixed`` (op ``unsloth_rollout::decode_attention_prefixed``): each row's prefix entry, then
-its own keys, under one softmax; the group's rows are neighbours, so the entry is read from memory about once.
+Rows of a GRPO group that hold only their own positions (the decode workspace's shared prompts) reach it as
+``decode_attention_prefixed`` (op ``unsloth_rollout::decode_attention_prefixed``): each row's shared-prompt entry,
+then its own keys, under one softmax; the group's rows are neighbours, so the entry is read from memory about once.
 
 Arithmetic: the softmax of ``scale * q . k`` over the row's keys, ``exp`` by Cephes' single-precision polynomial (~1
 ulp), sums in a different order than SDPA's: outputs agree with SDPA's within a few float32 ulps
-(tests/test_cpu_attention.py checks them against SDPA and a float64 reference). ``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` or
-``EngineConfig(cpu_attention_kernel=False)`` keeps SDPA.
+(tests/engine/decode/test_cpu_kernel.py checks them against SDPA and a float64 reference).
+``UNSLOTH_ROLLOUT_CPU_KERNEL=0`` or ``DecodeConfig(cpu_kernel=False)`` keeps SDPA.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.build import build_library
+from ...kernels.build import build_library
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +221,11 @@ def _prepare(query: torch.Tensor, key: torch.Tensor, scale: float | None) -> tup
 def decode_attention_prefixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor,
                               hi: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, row_entry: torch.Tensor,
                               plen: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_attention`` where row i also attends to the keys ``0 .. plen[e] - 1`` of prefix entry
-    ``e = row_entry[i]`` of ``pk`` / ``pv`` ``[E, KV, P, D]`` (e < 0: none), before its own keys ``lo[i] ..
+    """``decode_attention`` where row i also attends to the keys ``0 .. plen[e] - 1`` of shared-prompt
+    entry ``e = row_entry[i]`` of ``pk`` / ``pv`` ``[E, KV, P, D]`` (e < 0: none), before its own keys ``lo[i] ..
     hi[i] - 1``, under one softmax: a GRPO group's samples read their shared prompt from one entry (rows of a group
     are neighbours, so after the first the entry comes from cache). The op
-    ``unsloth_rollout::decode_attention_prefixed``; the compiled decode step calls it too."""
+    ``unsloth_rollout::decode_attention_prefixed``; the compiled step calls it too."""
     qg, scale, direct = _prepare(query, key, scale)
     if direct:
         return _run_prefixed(qg, key, value, lo, hi, pk, pv, row_entry, plen, scale)

@@ -1,4 +1,4 @@
-"""The captured decode step (engine/decode_static.py, ``decode_backend="static"``).
+"""The compiled step (engine/decode/compiled.py, ``DecodeConfig(backend="compiled")``).
 
 Oracles: HF greedy ``generate()`` (tokens), a teacher-forced forward (logprobs within 1e-5), torch._dynamo's own
 graph counter (no recompile after warm-up as contexts, batches and the workspace grow), and the eager model after
@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.testing.oracles import perturb_lora, teacher_forced
 
 
@@ -33,20 +34,21 @@ def _req(ids, n, temperature=0.0, seed=None, lora_name=None):
 
 @pytest.fixture(scope="module")
 def served(qwen2_dir):
-    """One LoRA policy and one engine on the static backend (compiled once: warm-up dominates the cost)."""
+    """One LoRA policy and one engine on the compiled step (compiled once: warm-up dominates the cost)."""
     torch.manual_seed(0)
     policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8, "random_state": 0})
     perturb_lora(policy.model, std=0.3, seed=0)
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static"))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20,
+                                                decode=DecodeConfig(backend="compiled")))
     yield policy, engine
     engine.shutdown()
 
 
-def test_static_decode_is_warm_at_start_and_never_recompiles(served):
+def test_compiled_step_is_warm_at_start_and_never_recompiles(served):
     policy, engine = served
-    st = engine.core.runner.static
+    st = engine.core.runner.decode_steps.compiled
     stats = engine.stats()
-    assert stats["decode_backend"] == "static" and stats["decode_warmup_s"] > 0
+    assert stats["decode_backend"] == "compiled" and stats["decode_warmup_s"] > 0
     graphs = _graphs()
     tok = policy.tokenizer
     # Batches of 1, 5 and 11 rows (the workspace's rows grow to hold 11), contexts from 3 tokens past 300
@@ -63,23 +65,24 @@ def test_static_decode_is_warm_at_start_and_never_recompiles(served):
         outs = engine.generate(reqs)
         for r, o in zip(reqs, outs):
             assert o.output_ids == _greedy(policy, r.input_ids, r.sampling.max_new_tokens), r.input_ids[:5]
-    assert engine.core.runner.workspace.k[0].shape[2] > 256 and engine.core.runner.workspace.k[0].shape[0] >= 11
-    assert engine.core.runner.workspace.grows >= 2
+    ws = engine.core.runner.decode_steps.workspace
+    assert ws.k[0].shape[2] > 256 and ws.k[0].shape[0] >= 11
+    assert engine.core.runner.decode_steps.workspace.grows >= 2
     assert st.steps - steps0 >= 20 and st.eager_steps == 0
     assert _graphs() == graphs and st.recompiles == 0 and engine.stats()["decode_recompiles"] == 0
 
 
-def test_static_decode_compiles_one_graph_for_every_layer(served):
+def test_compiled_step_compiles_one_graph_for_every_layer(served):
     """The decoder layers share one compiled graph: warm-up does not compile once per layer (one guarded graph
-    and its trusted copy, whatever the depth; twice that with the graph of steps over shared prefixes)."""
+    and its trusted copy, whatever the depth; twice that with the graph of steps over shared prompts)."""
     policy, engine = served
-    st = engine.core.runner.static
-    assert st.region == "layer" and len(st._layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
-    assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= (4 if st.prefixed() else 2)
+    st = engine.core.runner.decode_steps.compiled
+    assert len(st.layers) == engine.core.runner.num_layers == policy.config.num_hidden_layers
+    assert policy.config.num_hidden_layers > 1 and st.warm_compiled <= (4 if st.reads_shared() else 2)
     assert st.trust.enabled and st.trust.graphs is not None and len(set(st.trust.graphs)) == 1
 
 
-def test_static_decode_logprobs_match_teacher_forced(served):
+def test_compiled_step_logprobs_match_teacher_forced(served):
     policy, engine = served
     tok = policy.tokenizer
     reqs = [_req(tok.encode(p), 16, temperature=t, seed=i) for i, (p, t) in enumerate(
@@ -89,7 +92,7 @@ def test_static_decode_logprobs_match_teacher_forced(served):
         assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
 
 
-def test_static_decode_follows_in_place_lora_updates(served):
+def test_compiled_step_follows_in_place_lora_updates(served):
     """An optimizer-style in-place change of every LoRA B is seen by the very next compiled step."""
     policy, engine = served
     ids = policy.tokenizer.encode("alice counts twelve red apples at")
@@ -99,7 +102,7 @@ def test_static_decode_follows_in_place_lora_updates(served):
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
-    st = engine.core.runner.static
+    st = engine.core.runner.decode_steps.compiled
     guarded, trusted = st.trust.guarded_steps, st.trust.trusted_steps
     engine.weights_changed(1)
     after = engine.generate([_req(ids, 12)])[0].output_ids
@@ -110,14 +113,14 @@ def test_static_decode_follows_in_place_lora_updates(served):
     assert st.trust.guarded_steps == guarded + 1 and st.trust.trusted_steps >= trusted + 9
 
 
-def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
+def test_compiled_step_mixed_adapters_run_eager_and_exact(served, tmp_path):
     """Rows naming different adapters (PEFT's per-row adapter_names) fall back to the eager workspace step."""
     policy, engine = served
     other = load_model(policy.name_or_path, backend="transformers", lora={"r": 8, "random_state": 1})
     perturb_lora(other.model, std=0.3, seed=7)
     other.model.save_pretrained(str(tmp_path / "b"))
     engine.load_lora_adapter("b", str(tmp_path / "b"))
-    st = engine.core.runner.static
+    st = engine.core.runner.decode_steps.compiled
     eager0 = st.eager_steps
     ids = policy.tokenizer.encode("Bob and Carol went to")
     outs = engine.generate([_req(ids, 10), _req(ids, 10, lora_name="b")])
@@ -128,14 +131,15 @@ def test_static_decode_mixed_adapters_run_eager_and_exact(served, tmp_path):
 
 
 @pytest.mark.slow  # a second compile (the VLM's graph): minutes on a shared 2-core machine
-def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
+def test_compiled_step_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
     """Qwen2.5-VL with LoRA: text positions after images carry each row's M-RoPE delta into the graph."""
     import numpy as np
     from PIL import Image
 
     policy = load_model(qwen2_5_vl_dir, backend="transformers", lora={"r": 8, "random_state": 0})
     perturb_lora(policy.model, std=0.3, seed=1)
-    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static"))
+    engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20,
+                                                decode=DecodeConfig(backend="compiled")))
     try:
         rng = np.random.default_rng(2)
         images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((56, 40), (30, 70))]
@@ -145,7 +149,8 @@ def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
             for k, text in ((1, "what is it"), (2, "compare the two pictures please"), (0, "alice counts"))]
         outs = engine.generate(reqs)
         graphs, suppress = _graphs(), engine.core.sampler.suppress_ids or None
-        assert engine.core.runner.static.steps > 0 and engine.core.runner.static.eager_steps == 0
+        st = engine.core.runner.decode_steps.compiled
+        assert st.steps > 0 and st.eager_steps == 0
     finally:
         engine.shutdown()
     for r, o in zip(reqs, outs):
@@ -161,7 +166,7 @@ def test_static_decode_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3_text"])
-def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
+def test_compiled_step_trusted_steps_exact_for_mixed_layer_kinds(family):
     """Families whose layers differ (sliding vs full attention, Gemma 2's soft-capping, Gemma 3's per-kind rotary):
     the guarded step says which graph served each layer, layers of different kinds never share a trusted copy,
     and the trusted steps' tokens and logprobs match HF generate and a teacher-forced forward (prompts past the
@@ -174,9 +179,9 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
                         attn_implementation="eager" if family == "gemma2" else "sdpa")
     assert perturb_lora(policy.model, std=0.3, seed=0) > 0
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, block_size=8,
-                                                decode_backend="static"), seed=0)
+                                                decode=DecodeConfig(backend="compiled")), seed=0)
     try:
-        st = engine.core.runner.static
+        st = engine.core.runner.decode_steps.compiled
         kinds = list(getattr(policy.text_config, "layer_types", None) or [])
         tok = policy.tokenizer
         texts = ["the cat", "alice counts twelve red apples in the old market before noon",
@@ -186,8 +191,8 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
         trusted0 = st.trust.trusted_steps
         outs = engine.generate(greedy + sampled)
         assert st.trust.trusted_steps - trusted0 >= 10 and st.eager_steps == 0 and st.recompiles == 0
-        graphs, units = st.trust.graphs, st._units  # a graph per unit of consecutive layers of one kind
-        assert graphs is not None and len(graphs) == len(units) and sum(map(len, units)) == len(st._layers)
+        graphs, units = st.trust.graphs, st.units  # a graph per unit of consecutive layers of one kind
+        assert graphs is not None and len(graphs) == len(units) and sum(map(len, units)) == len(st.layers)
         if kinds:
             assert len(set(kinds)) > 1, kinds
             assert all(len({kinds[i] for i in u}) == 1 for u in units), (family, kinds, units)
@@ -205,16 +210,16 @@ def test_static_decode_trusted_steps_exact_for_mixed_layer_kinds(family):
         engine.shutdown()
 
 
-def test_static_decode_sees_a_hook_registered_after_start(served):
+def test_compiled_step_sees_a_hook_registered_after_start(served):
     """A forward hook put on a decoder layer's module after the engine started (no ``weights_changed``): the
     next step is guarded, dynamo traces the hook in, and the tokens follow it (HF generate with the same hook);
     once it is removed, the tokens are the model's own again."""
     policy, engine = served
-    st = engine.core.runner.static
+    st = engine.core.runner.decode_steps.compiled
     # a prompt of its own: the prefix cache would otherwise serve KV computed before the hook (only a weight
     # change, ``weights_changed``, drops it)
     ids = policy.tokenizer.encode("carol weighs seven green pears and")
-    mlp = st._layers[1].mlp
+    mlp = st.layers[1].mlp
     handle = mlp.register_forward_hook(lambda mod, args, out: out * 3.0)
     try:
         guarded = st.trust.guarded_steps
@@ -229,17 +234,17 @@ def test_static_decode_sees_a_hook_registered_after_start(served):
     assert plain != hooked, "the hook was meant to change the greedy tokens"
 
 
-def test_static_decode_sees_a_parameter_given_another_layout(served):
+def test_compiled_step_sees_a_parameter_given_another_layout(served):
     """A decoder-layer parameter given new data with the same values but transposed strides after start (no
     ``weights_changed``): the trusted step's graph was compiled for the old layout; its input asserts refuse the
-    new one, the step runs again guarded (decode_trust.py), dynamo retraces, and the tokens stay HF generate's.
+    new one, the step runs again guarded (decode/trust.py), dynamo retraces, and the tokens stay HF generate's.
     A replaced submodule with other weights is followed too."""
     policy, engine = served
-    st = engine.core.runner.static
+    st = engine.core.runner.decode_steps.compiled
     ids = policy.tokenizer.encode("dave paints nine blue boats and")
     want = _greedy(policy, ids, 10)
     engine.generate([_req(ids, 2)])  # a trusted step is possible from here on
-    w = st._layers[-1].mlp.down_proj.base_layer.weight
+    w = st.layers[-1].mlp.down_proj.base_layer.weight
     before = w.data
     w.data = before.t().contiguous().t()  # same values and shape, column-major
     try:
@@ -249,7 +254,7 @@ def test_static_decode_sees_a_parameter_given_another_layout(served):
         assert st.trust.guarded_steps > guarded and st.trust.failed_trusted == failed + 1
     finally:
         w.data = before
-    layer = st._layers[0]
+    layer = st.layers[0]
     norm = layer.post_attention_layernorm
     other = type(norm)(norm.weight.shape[0], eps=norm.variance_epsilon)
     with torch.no_grad():
@@ -280,7 +285,7 @@ def test_engine_follows_peft_switches_without_weights_changed(served):
     from unsloth_rollout.models.adapters import tuner_layers
 
     policy, engine = served
-    st, model = engine.core.runner.static, policy.model
+    st, model = engine.core.runner.decode_steps.compiled, policy.model
     ids = policy.tokenizer.encode("erin stacks eleven red cups and")
     fresh = policy.tokenizer.encode("frank hums twelve quiet songs while")
     lora = _greedy(policy, ids, 10)

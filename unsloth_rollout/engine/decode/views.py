@@ -1,14 +1,14 @@
-"""The cache views of the captured decode step (decode_static.py), and the prefixes it passes in."""
+"""The cache views of the compiled step (decode/compiled.py), and what a trace of it keeps dynamic."""
 
 from __future__ import annotations
 
 import torch
 
-from .kv_cache import CacheView
-from .prefix_batch import StaticPrefix, step_tensors
+from .. import internals
+from ..kv_cache import CacheView
 
 
-class StaticView(CacheView):
+class CompiledView(CacheView):
     """One decode step's cache: each layer's new token goes into the pool (``write_slots``) and into its
     workspace row at ``lengths[i]``; attention reads ``ws[:B, :, :L]`` in place. All tensors are passed in, so
     a compiled step holds no reference to storage that may move."""
@@ -55,33 +55,16 @@ class LayerView(CacheView):
         return self.k_pos.shape[0] - 1
 
 
-def step_prefix(static, b: int) -> StaticPrefix:
-    """A step's ``StaticPrefix`` over ``b`` (padded) rows of ``static``'s workspace: the prefix store's tensors,
-    or zero stand-ins (two entries of 16 positions: no size-1 dimension to specialize) when it holds none. A
-    stand-in per layer and per K / V, as the store has: a compiled unit of layers (decode_units.py) traced with
-    one tensor for two layers' stores would read one layer's entries for both."""
-    ws = static.ws
-    if ws.pk:
-        pk, pv = ws.pk, ws.pv
-    else:
-        if static._no_store is None:
-            c = static.runner.kv
-            static._no_store = [torch.zeros((2, c.num_kv_heads, 16, c.head_dim), dtype=c.dtype, device=c.device)
-                                for _ in range(2 * len(ws.k))]
-        pk, pv = static._no_store[0::2], static._no_store[1::2]
-    return StaticPrefix(pk, pv, *step_tensors(ws.row_entry, ws.plens, pk[0].shape[0], b, static.device))
-
-
 def mark_step(args) -> None:
     """Mark what a trace of the step keeps dynamic (one graph for every batch, context, workspace size)."""
-    input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v, prefix = args
+    input_ids, pos, lens_t, write_t, k_pos, _, _, ws_k, ws_v, shared = args
     for t, d in ((input_ids, 0), (lens_t, 0), (write_t, 0), (pos, pos.dim() - 2)):
-        torch._dynamo.mark_dynamic(t, d)  # one graph; on CUDA a CUDA-graph mode records one per bucket
-    torch._dynamo.mark_dynamic(k_pos, 0)
-    stores = list(ws_k) + list(ws_v) + (list(prefix.pk) + list(prefix.pv) if prefix is not None else [])
+        internals.mark_dynamic(t, d)  # one graph; the graph step records one per bucket
+    internals.mark_dynamic(k_pos, 0)
+    stores = list(ws_k) + list(ws_v) + (list(shared.pk) + list(shared.pv) if shared is not None else [])
     for t in stores:  # rows / entries and capacity grow with the batch, the context, the prompts
-        torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(t, 2)
-    if prefix is not None:
-        torch._dynamo.mark_dynamic(prefix.pe, 0)
-        torch._dynamo.mark_dynamic(prefix.plen, 0)
+        internals.mark_dynamic(t, 0)
+        internals.mark_dynamic(t, 2)
+    if shared is not None:
+        internals.mark_dynamic(shared.pe, 0)
+        internals.mark_dynamic(shared.plen, 0)

@@ -1,19 +1,19 @@
-"""When the captured decode step may skip dynamo's guards (``decode_static.py``).
+"""When the compiled step may skip dynamo's guards (decode/compiled.py).
 
 Dynamo checks a compiled region's guards on every call: for a LoRA decoder layer ~800 of them (each module's
 hooks, type, parameters, attributes), ~150 us a call, ~5 ms of a 36-layer decode step. So the layer region exists
 twice. The *guarded* copy checks everything, and while it runs, ``TaggedInductor`` records which compiled graph
-served each unit of layers (decode_units.py). The *trusted* copies, one per graph (each its own code object, so
+served each unit of layers (decode/units.py). The *trusted* copies, one per graph (each its own code object, so
 its entries never serve another region), keep only ``LEAN_GUARDS``: the shapes' symbolic relations, the global
 autograd state, and which inputs are one tensor (a graph traced with one tensor for two inputs reads it for both).
 
 ``LayerTrust`` decides which runs. A guarded step runs first, then whenever the model may have changed:
-- the state the step was traced under moves (``StaticDecode._key``: the model, its training mode, adapters, the
+- the state the step was traced under moves (``CompiledStep.state``: the model, its training mode, adapters, the
   attention kernel, grad / inference mode), or the engine's weight clock moves (every change of the policy's
-  weights or adapters goes through ``RolloutEngine.weights_changed``, engine/weights.py);
+  weights or adapters goes through ``RolloutEngine.weights_changed``);
 - a module of a decoder layer got or lost an instance ``forward``, a forward hook or a pre-hook, or a global
   forward hook came or went (checked every step in ~30 us for 36 LoRA layers; the guarded region guards on
-  hooks, which dynamo by default does not: ``torch._dynamo.config.skip_nnmodule_hook_guards``);
+  hooks, which dynamo by default does not: ``internals.guards_on_hooks``);
 - every ``TRUST_STEPS``-th step regardless.
 A trusted step that raises (inductor's input asserts, kept on: a parameter given data of another size or layout, a
 replaced module with other shapes) runs again as a guarded step, which retraces for the change.
@@ -31,7 +31,8 @@ import itertools
 import types
 
 import torch
-from torch.utils.hooks import RemovableHandle
+
+from .. import internals
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
@@ -54,7 +55,7 @@ def region_copy(fn, tag: str):
 def tagged_backend(mode):
     """Inductor (``mode`` applied), with every graph it compiles numbered and each call's number appended to
     ``backend.ran``. None where this torch has no such backend class (then every step is guarded)."""
-    base = getattr(torch, "_TorchCompileInductorWrapper", None)
+    base = internals.inductor_wrapper()
     if base is None:
         return None
 
@@ -72,7 +73,7 @@ def tagged_backend(mode):
             def run(*args):
                 self.ran.append(gid)
                 return fn(*args)
-            run._boxed_call = getattr(fn, "_boxed_call", False)
+            internals.boxed_like(run, fn)
             return run
 
     try:
@@ -89,9 +90,8 @@ def _forwards(dicts: list) -> list:
 def hooks_now(hooked: list) -> tuple:
     """What says whether a hook came or went: torch's hook-handle counter (every ``register_*hook`` call takes
     the next id), the sizes of the hook dicts that held hooks when vouched for, and the global hook dicts."""
-    g = torch.nn.modules.module
-    return (RemovableHandle.next_id, tuple(len(h) for h in hooked), len(g._global_forward_hooks),
-            len(g._global_forward_pre_hooks))
+    hooks, pre_hooks = internals.global_hooks()
+    return internals.hook_counter(), tuple(len(h) for h in hooked), len(hooks), len(pre_hooks)
 
 
 class LayerTrust:
@@ -110,7 +110,7 @@ class LayerTrust:
         self.since = 0  # trusted steps since the last guarded one
         self.guarded_steps = self.trusted_steps = 0
         self.last_trusted = False  # whether the step now running is a trusted one
-        self.failed_trusted = 0  # trusted steps that raised and ran again guarded (StaticDecode.run)
+        self.failed_trusted = 0  # trusted steps that raised and ran again guarded (CompiledStep.execute)
         self.untrusted: set[int] = set()  # graphs whose trusted copy traced to another graph (_copy)
 
     def fns(self, state) -> tuple[list, list | None, bool]:
@@ -134,7 +134,7 @@ class LayerTrust:
             self.backend.ran = []
         # Dynamo does not guard on nn.Module hooks by default (``skip_nnmodule_hook_guards``): one graph would
         # serve a layer with a hook and one without. The guarded region guards on them (read when it traces).
-        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        with internals.guards_on_hooks():
             out = fn(*args, **kwargs)
         ran[i] = tuple(self.backend.ran) if self.backend is not None else ()
         return out
@@ -146,10 +146,15 @@ class LayerTrust:
             self.graphs, self.state = [g[0] for g in ran], state
             self.dicts = [m.__dict__ for unit in self.units for layer in unit for m in layer.modules()]
             self.forwards = _forwards(self.dicts)
-            self.hooked = [h for d in self.dicts for h in (d["_forward_hooks"], d["_forward_pre_hooks"]) if h]
+            self.hooked = [h for d in self.dicts for h in internals.hook_dicts(d) if h]
             self.hooks = hooks_now(self.hooked)
         else:
             self.graphs, self.state = None, None
+
+    def distrust(self, failed: bool = False) -> None:
+        """The next step runs guarded (``failed``: a trusted step raised and runs again guarded)."""
+        self.graphs = None
+        self.failed_trusted += int(failed)
 
     def _unchanged(self) -> bool:
         return hooks_now(self.hooked) == self.hooks and _forwards(self.dicts) == self.forwards

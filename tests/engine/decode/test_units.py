@@ -1,4 +1,4 @@
-"""Decoder layers in units: one compiled call runs several consecutive layers (engine/decode_units.py).
+"""Decoder layers in units: one compiled call runs several consecutive layers (engine/decode/units.py).
 
 Oracles: HF greedy ``generate()`` on the same model object (tokens, with the same hooks and loop changes in
 place), a teacher-forced forward (sampled logprobs within 1e-5), and torch._dynamo's own graph counter. The
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from unsloth_rollout import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.bench.overhead import deep_policy
-from unsloth_rollout.engine.decode_static import _graphs
-from unsloth_rollout.engine.decode_units import plan_units
+from unsloth_rollout.engine.internals import compiled_graphs as _graphs
+from unsloth_rollout.engine.decode.units import plan_units
 from unsloth_rollout.testing.oracles import assert_greedy_matches, teacher_forced
 
 LAYERS = 6
@@ -58,15 +59,15 @@ def policy():
 
 
 def _engine(policy, per_call=None):
-    return RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, decode_backend="static",
-                                              decode_layers_per_call=per_call), seed=0)
+    decode = DecodeConfig(backend="compiled", layers_per_call=per_call)
+    return RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, decode=decode), seed=0)
 
 
 def test_units_of_four_layers_are_exact_and_never_recompile(policy):
     engine = _engine(policy, 4)
     try:
-        st = engine.core.runner.static
-        assert st._units == [[0, 1, 2, 3], [4, 5]] and st.unit_size == 4
+        st = engine.core.runner.decode_steps.compiled
+        assert st.units == [[0, 1, 2, 3], [4, 5]] and st.unit_size == 4
         trusted0 = st.trust.trusted_steps
         _check_exact(policy, engine, label="units of 4")
         assert st.trust.trusted_steps - trusted0 >= 8 and st.eager_steps == 0 and st.recompiles == 0
@@ -79,8 +80,8 @@ def test_units_of_four_layers_are_exact_and_never_recompile(policy):
 def test_default_units_for_a_listed_family(policy):
     engine = _engine(policy)
     try:
-        st = engine.core.runner.static
-        assert st.unit_size == 4 and len(st._units) == 2
+        st = engine.core.runner.decode_steps.compiled
+        assert st.unit_size == 4 and len(st.units) == 2
     finally:
         engine.shutdown()
 
@@ -92,23 +93,23 @@ def test_a_hooked_decoder_layer_runs_layer_by_layer(policy, where):
     from torch.nn.modules.module import register_module_forward_hook
 
     engine = _engine(policy, 3)
-    layer = engine.core.runner.static._layers[1]
+    layer = engine.core.runner.decode_steps.compiled.layers[1]
     if where == "layer":
         handle = layer.register_forward_hook(lambda mod, args, out: out.mul_(1.5))
     else:  # in place: the next layer is handed the same object (the followers' check alone would not see it)
         handle = register_module_forward_hook(lambda mod, args, out: out.mul_(1.5) if mod is layer else None)
     try:
-        st = engine.core.runner.static
+        st = engine.core.runner.decode_steps.compiled
         assert st.unit_size == 3
         units_trust = st.trust
         _check_exact(policy, engine, label="hooked layer")
-        assert st.unit_size == 1 and len(st._units) == LAYERS
+        assert st.unit_size == 1 and len(st.units) == LAYERS
         handle.remove()
         engine.weights_changed()  # the model changed: KV the hook made (the prefix cache's) is not reused
         recompiles, graphs = st.recompiles, _graphs()
         _check_exact(policy, engine, n=6, label="hook removed")
         # units again, on the graphs they had: nothing compiled, the unit trust trusted again
-        assert st.unit_size == 3 and st._units == [[0, 1, 2], [3, 4, 5]] and st.trust is units_trust
+        assert st.unit_size == 3 and st.units == [[0, 1, 2], [3, 4, 5]] and st.trust is units_trust
         assert st.recompiles == recompiles and _graphs() == graphs and st.eager_steps == 0
         assert st.trust.graphs is not None and engine.stats()["decode_layers_per_call"] == 3
     finally:
@@ -120,8 +121,8 @@ def test_a_loop_that_changes_what_a_layer_gets_is_caught(policy):
     """Each decoder layer's ``__call__`` shifts its input (the model's loop then passes a layer something other than
     its predecessor's output): the followers notice, the step runs again layer by layer, tokens stay HF's."""
     engine = _engine(policy, 3)
-    st = engine.core.runner.static
-    layers = st._layers
+    st = engine.core.runner.decode_steps.compiled
+    layers = st.layers
     base = type(layers[0])
 
     class Shifted(base):
@@ -134,9 +135,9 @@ def test_a_loop_that_changes_what_a_layer_gets_is_caught(policy):
         assert plan_units(layers, 3) == [[0, 1, 2], [3, 4, 5]]
         _check_exact(policy, engine, label="shifted loop")
         assert st.unit_size == 1 and st.recompiles > 0
-        tried = st._trusts[3].guarded_steps  # for good: units are not tried again (a hook's case: they are)
+        tried = st.trusts[3].guarded_steps  # for good: units are not tried again (a hook's case: they are)
         _check_exact(policy, engine, n=4, label="shifted loop, later")
-        assert st.unit_size == 1 and st._trusts[3].guarded_steps == tried
+        assert st.unit_size == 1 and st.trusts[3].guarded_steps == tried
     finally:
         for m in layers:
             m.__class__ = base
@@ -156,6 +157,6 @@ def test_plan_units_splits_kinds():
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_decode_layers_per_call_is_checked(bad):
-    with pytest.raises(InvalidRequestError, match="decode_layers_per_call"):
-        EngineConfig(decode_layers_per_call=bad)
+def test_layers_per_call_is_checked(bad):
+    with pytest.raises(InvalidRequestError, match="decode.layers_per_call"):
+        EngineConfig(decode=DecodeConfig(layers_per_call=bad))

@@ -1,4 +1,4 @@
-"""Decoder layers in units: one compiled call runs several consecutive layers (``decode_static.py``).
+"""Decoder layers in units: one compiled call runs several consecutive layers (decode/compiled.py).
 
 A compiled region's call costs ~80 us on CPU beyond its kernels (dynamo's frame and cache lookup, the AOT
 wrapper), ~3 ms of a 36-layer step. A unit of ``size`` consecutive decoder layers of one kind (class, sliding
@@ -11,7 +11,7 @@ arguments, unchanged, and a layer returns a tensor. So:
 - units are formed by default only for the families the registry serves (models/families.py; their transformers
   loops are plain: layer after layer, every layer given the same mask, positions, rotary and cache; the family
   matrix runs them in units against HF generate and a teacher-forced forward, as does
-  tests/test_engine_decode_units.py), and only while no decoder layer, and no global module hook, has a hook;
+  tests/engine/decode/test_units.py), and only while no decoder layer, and no global module hook, has a hook;
 - every follower checks, each step, that its hidden states are the object its leader returned and that its other
   arguments are the objects the leader was given; where not, ``Ungrouped`` is raised, the engine drops units for
   good and runs the step again layer by layer (each layer then rewrites the same K/V positions). A hook raises
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.families import family_of
+from .. import internals
 
 class Ungrouped(RuntimeError):
     """A follower layer was not given its leader's output and arguments: the step runs again layer by layer, and
@@ -49,7 +49,7 @@ def decoder_layers(model, num_layers: int) -> list:
         if (isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers
                 and all(getattr(getattr(m, "self_attn", None), "layer_idx", None) is not None for m in mod)):
             return list(mod)
-    raise RuntimeError(f"static decode: no list of {num_layers} decoder layers found in {type(model).__name__}")
+    raise RuntimeError(f"compiled decode: no list of {num_layers} decoder layers found in {type(model).__name__}")
 
 
 def _kind(layer) -> tuple:
@@ -68,19 +68,11 @@ def plan_units(layers: list, size: int) -> list[list[int]]:
     return units
 
 
-def unit_size(requested: int | None, config) -> int:
-    """Layers per unit: ``requested``, else 4 for a family the registry serves (else 1)."""
-    if requested is not None:
-        return max(1, int(requested))
-    return 4 if family_of(config).served else 1
-
-
 def layer_hooked(layers: list) -> bool:
     """A decoder layer (the module itself) has a forward hook or pre-hook, or a global one exists (it runs on every
     module): such a hook must see each layer's own input and output."""
-    g = torch.nn.modules.module
-    return bool(g._global_forward_hooks or g._global_forward_pre_hooks
-                or any(l._forward_hooks or l._forward_pre_hooks for l in layers))
+    hooks, pre_hooks = internals.global_hooks()
+    return bool(hooks or pre_hooks or any(h for layer in layers for h in internals.module_hooks(layer)))
 
 
 class Lead:

@@ -1,6 +1,6 @@
-"""The CPU decode attention kernel (engine/cpu_attention.py) against independent oracles: a float64 softmax
+"""The CPU decode attention kernel (engine/cpu_kernel.py) against independent oracles: a float64 softmax
 attention written here, SDPA with the engine's mask, the engine's own SDPA path (same tokens, logprobs within
-float32 noise of a teacher-forced forward), and torch.compile (the custom op inside the captured step)."""
+float32 noise of a teacher-forced forward), and torch.compile (the custom op inside the compiled step)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from unsloth_rollout.engine import cpu_attention
+from unsloth_rollout.engine.decode import cpu_kernel
+from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.engine.config import EngineConfig
 
 LINUX_GXX = sys.platform.startswith("linux") and shutil.which("g++") is not None
@@ -61,7 +62,7 @@ def test_the_kernel_builds_here():
             "def gomp():\n"
             "    return {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l.rsplit('/', 1)[-1]}\n"
             "before = gomp()\n"
-            "from unsloth_rollout.engine import cpu_attention as c\n"
+            "from unsloth_rollout.engine.decode import cpu_kernel as c\n"
             "assert c.available(), c.build_error()\n"
             "assert gomp() == before, (before, gomp())\n"
             "from unsloth_rollout.kernels.build import openmp_runtime\n"
@@ -69,10 +70,10 @@ def test_the_kernel_builds_here():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-    assert cpu_attention.available(), cpu_attention.build_error()
+    assert cpu_kernel.available(), cpu_kernel.build_error()
 
 
-needs_kernel = pytest.mark.skipif(not (LINUX_GXX and cpu_attention.available()), reason="kernel not built")
+needs_kernel = pytest.mark.skipif(not (LINUX_GXX and cpu_kernel.available()), reason="kernel not built")
 
 
 @needs_kernel
@@ -81,13 +82,13 @@ def test_the_op_is_registered_in_cpp_and_its_python_fallback_agrees_bitwise(tmp_
     eager and in a compiled graph's wrapper). Where that library cannot build, the op is a Python custom op over
     the same kernel: a process whose torch-header build fails computes bitwise the same outputs, eager and
     compiled, and refuses a bad key range with the same message."""
-    assert cpu_attention.op_registration() == "c++"
+    assert cpu_kernel.op_registration() == "c++"
     code = ("import sys, torch\n"
             "import unsloth_rollout.kernels.build as b\n"
             "def no_headers():\n"
             "    raise RuntimeError('no torch headers here')\n"
             "b._torch_flags = no_headers\n"
-            "from unsloth_rollout.engine import cpu_attention as c\n"
+            "from unsloth_rollout.engine.decode import cpu_kernel as c\n"
             "assert c.available(), c.build_error()\n"
             "assert c.op_registration().startswith('python: RuntimeError: no torch headers'), c.op_registration()\n"
             "q, k, v, lens = torch.load(sys.argv[1])\n"
@@ -114,13 +115,13 @@ def test_the_op_is_registered_in_cpp_and_its_python_fallback_agrees_bitwise(tmp_
                         str(tmp_path / "prefix.pt")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (e_out, e_lse), (c_out, c_lse), pre, pre_c = torch.load(tmp_path / "out.pt")
-    lo, hi = cpu_attention.key_range(lens, None)
-    out, lse = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    lo, hi = cpu_kernel.key_range(lens, None)
+    out, lse = cpu_kernel.decode_attention(q, k, v, lo, hi, None)
     for other in (e_out, c_out):
         assert torch.equal(out, other)
     for other in (e_lse, c_lse):
         assert torch.equal(lse, other)
-    here = cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, None)
+    here = cpu_kernel.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, None)
     for other in (pre, pre_c):  # the prefixed op: the same kernel through the Python registration
         assert torch.equal(here[0], other[0]) and torch.equal(here[1], other[1])
 
@@ -132,8 +133,8 @@ def test_kernel_matches_a_float64_attention(d, g):
     # mixed lengths: one key only, a partial block, whole blocks, one past a block, the capacity
     lengths = [0, 5, 15, 16, 33, 70]
     q, k, v, lens = _case(len(lengths), 2, g, d, 71, lengths, seed=d * 10 + g, strided=(g % 2 == 0))
-    lo, hi = cpu_attention.key_range(lens, None)
-    out, lse = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    lo, hi = cpu_kernel.key_range(lens, None)
+    out, lse = cpu_kernel.decode_attention(q, k, v, lo, hi, None)
     ref, ref_lse = _reference(q, k, v, lo, hi, d ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-6)
@@ -168,7 +169,7 @@ def test_the_eight_wide_build_matches_a_float64_attention(tmp_path):
     for d in (16, 32, 48, 64, 80, 96, 128, 256):
         for g in (1, 2, 4, 7):
             q, k, v, lens = _case(len(lengths), 2, g, d, 71, lengths, seed=d + g, strided=(g % 2 == 0))
-            lo, hi = cpu_attention.key_range(lens, None)
+            lo, hi = cpu_kernel.key_range(lens, None)
             b = q.shape[0]
             qc = q.reshape(b, 2, g, d).contiguous()
             out, lse = torch.empty_like(qc), torch.empty(b, 2, g)
@@ -194,19 +195,19 @@ def test_kernel_equals_sdpa_with_the_engines_mask(window):
     mask = ctx.additive_mask(window, torch.float32)
     b, h, _, d = q.shape
     sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, 2, 2, d), k, v, attn_mask=mask, scale=0.3)
-    out, _ = cpu_attention.decode_attention(q, k, v, *ctx.key_range(window), 0.3)
+    out, _ = cpu_kernel.decode_attention(q, k, v, *ctx.key_range(window), 0.3)
     torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=1e-5)
 
 
 @needs_kernel
 def test_kernel_runs_as_one_op_inside_torch_compile_without_recompiling():
-    """The captured decode step calls it as the custom op ``unsloth_rollout::decode_attention``: same output as
+    """The compiled step calls it as the custom op ``unsloth_rollout::decode_attention``: same output as
     eager, the keys read through the strided view (no copy), and one graph for every batch and key length."""
     from torch._dynamo.utils import counters
 
     def step(q, k, v, lens):
-        lo, hi = cpu_attention.key_range(lens, None)
-        return cpu_attention.decode_attention(q, k, v, lo, hi, 0.25)[0] * 2
+        lo, hi = cpu_kernel.key_range(lens, None)
+        return cpu_kernel.decode_attention(q, k, v, lo, hi, 0.25)[0] * 2
 
     fn = torch.compile(step, dynamic=True, fullgraph=True)
     torch._dynamo.reset()
@@ -222,17 +223,17 @@ def test_kernel_runs_as_one_op_inside_torch_compile_without_recompiling():
 def test_shapes_outside_the_kernel_are_left_to_sdpa():
     q = torch.randn(2, 4, 1, 16)
     k = v = torch.randn(2, 2, 8, 16)
-    assert cpu_attention.supported(q, k, v)
-    assert not cpu_attention.supported(q.bfloat16(), k.bfloat16(), v.bfloat16())  # float32 only
-    assert not cpu_attention.supported(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8))
-    assert not cpu_attention.supported(torch.randn(2, 18, 1, 16), k, v)  # 9 query heads per KV head
-    assert not cpu_attention.supported(torch.randn(2, 4, 2, 16), k, v)  # two query positions: not decode
-    assert not cpu_attention.supported(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # strided dim
+    assert cpu_kernel.supported(q, k, v)
+    assert not cpu_kernel.supported(q.bfloat16(), k.bfloat16(), v.bfloat16())  # float32 only
+    assert not cpu_kernel.supported(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8))
+    assert not cpu_kernel.supported(torch.randn(2, 18, 1, 16), k, v)  # 9 query heads per KV head
+    assert not cpu_kernel.supported(torch.randn(2, 4, 2, 16), k, v)  # two query positions: not decode
+    assert not cpu_kernel.supported(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # strided dim
 
 
 def test_the_setting_is_validated_by_name():
-    with pytest.raises(ValueError, match="cpu_attention_kernel"):
-        EngineConfig(cpu_attention_kernel="yes")
+    with pytest.raises(ValueError, match="decode.cpu_kernel"):
+        EngineConfig(decode=DecodeConfig(cpu_kernel="yes"))
 
 
 @needs_kernel
@@ -246,7 +247,8 @@ def test_engine_tokens_and_logprobs_with_and_without_the_kernel(qwen2_dir):
     prompts = [policy.tokenizer.encode("alice counts twelve apples " * r) for r in (1, 4, 9)]
     runs = {}
     for kernel in (False, True):
-        engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, cpu_attention_kernel=kernel))
+        engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=64 << 20,
+                                                    decode=DecodeConfig(cpu_kernel=kernel)))
         try:
             assert engine.stats()["cpu_attention_kernel"] is kernel
             runs[kernel] = engine.generate([GenerationRequest(input_ids=p, sampling=SamplingParams(
@@ -265,7 +267,7 @@ def test_the_environment_switch_turns_it_off(qwen2_dir):
     code = ("from unsloth_rollout import load_model; from unsloth_rollout.engine.core import EngineCore; "
             "from unsloth_rollout.engine.config import EngineConfig; import sys; "
             f"p = load_model({str(qwen2_dir)!r}, backend='transformers'); "
-            "c = EngineCore(p, EngineConfig(kv_cache_memory_bytes=8 << 20)); print(c.runner._kernel)")
+            "c = EngineCore(p, EngineConfig(kv_cache_memory_bytes=8 << 20)); print(c.runner.kernel)")
     env = dict(os.environ, UNSLOTH_ROLLOUT_CPU_KERNEL="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -275,7 +277,7 @@ def test_the_environment_switch_turns_it_off(qwen2_dir):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "aarch64"), reason="built for x86-64 / arm64")
 def test_a_failed_build_leaves_sdpa_and_says_why(tmp_path):
     """No compiler: the kernel is unavailable, build_error() names the cause, nothing raises."""
-    code = ("import torch; from unsloth_rollout.engine import cpu_attention as c; "
+    code = ("import torch; from unsloth_rollout.engine.decode import cpu_kernel as c; "
             "print(c.available()); print(c.build_error())")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), UNSLOTH_ROLLOUT_KERNEL_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -293,9 +295,9 @@ def test_kernel_is_no_further_from_float64_than_sdpa(b, g, d, keys):
 
     q, k, v, lens = _case(b, 2, g, d, keys, [keys - 1] * b, seed=1)
     q, k = q * 3, k * 1.5  # sharper softmaxes than unit-variance noise gives
-    lo, hi = cpu_attention.key_range(lens, None)
+    lo, hi = cpu_kernel.key_range(lens, None)
     ref, _ = _reference(q, k, v, lo, hi, d ** -0.5)
-    out, _ = cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    out, _ = cpu_kernel.decode_attention(q, k, v, lo, hi, None)
     mask = ForwardContext.decode(lens, keys).additive_mask(None, torch.float32)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, 2, g, d), k, v, attn_mask=mask)
     err_kernel, err_sdpa = (out.double() - ref).abs().max().item(), (sdpa.double() - ref).abs().max().item()
@@ -307,12 +309,12 @@ def test_kernel_is_no_further_from_float64_than_sdpa(b, g, d, keys):
 def test_a_key_range_outside_the_keys_is_refused_not_read():
     """The kernel reads raw memory: a row whose range reaches past the keys it was given raises instead."""
     q, k, v, lens = _case(3, 2, 2, 16, 10, [3, 9, 4])
-    lo, hi = cpu_attention.key_range(lens, None)
-    cpu_attention.decode_attention(q, k, v, lo, hi, None)
+    lo, hi = cpu_kernel.key_range(lens, None)
+    cpu_kernel.decode_attention(q, k, v, lo, hi, None)
     with pytest.raises(RuntimeError, match="outside the keys"):
-        cpu_attention.decode_attention(q, k, v, lo, hi + 1, None)
+        cpu_kernel.decode_attention(q, k, v, lo, hi + 1, None)
     with pytest.raises(RuntimeError, match="outside the keys"):
-        cpu_attention.decode_attention(q, k, v, lo - 1, hi, None)
+        cpu_kernel.decode_attention(q, k, v, lo - 1, hi, None)
 
 
 @needs_kernel
@@ -330,7 +332,7 @@ def test_the_prefixed_op_matches_a_float64_attention_over_entry_then_own_keys(d,
     pe, plen = torch.tensor([0, 0, -1, 2, 2, 1]), torch.tensor([33, 17, 48])
     lo, hi = torch.tensor([0, 0, 0, 0, 5, 0]), torch.tensor([5, 9, 40, 1, 23, 30])
     scale = d ** -0.5
-    out, lse = cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, scale)
+    out, lse = cpu_kernel.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, plen, scale)
     for i in range(b):
         j = int(pe[i])
         kk, vv, a, z = k[i:i + 1], v[i:i + 1], int(lo[i]), int(hi[i])
@@ -342,12 +344,12 @@ def test_the_prefixed_op_matches_a_float64_attention_over_entry_then_own_keys(d,
         ref, ref_lse = _reference(q[i:i + 1], kk, vv, torch.tensor([a]), torch.tensor([z]), scale)
         assert (out[i].double() - ref[0]).abs().max() <= 2e-6, i
         assert (lse[i].double() - ref_lse[0]).abs().max() <= 2e-5, i
-    plain, plain_lse = cpu_attention.decode_attention(q, k, v, lo, hi, scale)
+    plain, plain_lse = cpu_kernel.decode_attention(q, k, v, lo, hi, scale)
     alone = pe < 0
     assert torch.equal(out[alone], plain[alone]) and torch.equal(lse[alone], plain_lse[alone])
-    compiled = torch.compile(cpu_attention.decode_attention_prefixed, fullgraph=True)
+    compiled = torch.compile(cpu_kernel.decode_attention_prefixed, fullgraph=True)
     assert torch.equal(compiled(q, k, v, lo, hi, pk, pv, pe, plen, scale)[0], out)
     with pytest.raises(RuntimeError, match="prefix entry"):
-        cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, torch.tensor([0, 0, -1, 3, 2, 1]), plen, scale)
+        cpu_kernel.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, torch.tensor([0, 0, -1, 3, 2, 1]), plen, scale)
     with pytest.raises(RuntimeError, match="prefix entry"):
-        cpu_attention.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, torch.tensor([33, 17, 51]), scale)
+        cpu_kernel.decode_attention_prefixed(q, k, v, lo, hi, pk, pv, pe, torch.tensor([33, 17, 51]), scale)

@@ -1,4 +1,4 @@
-"""The captured step replayed as recorded graphs (engine/decode_graphs.py, ``compile_mode="cuda-graphs"``).
+"""The graph step: the compiled step replayed as recorded graphs (engine/decode/graph.py, backend "graph").
 
 The CUDA recording itself needs a GPU; here the capture is the CPU stand-in (it re-runs the recorded function on
 the graph's own input buffers), which exercises what the engine does around it: the padded buckets, the input
@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_engine_cuda_layout import _check, _policy, _prompts
 from unsloth_rollout import EngineConfig, RolloutEngine
-from unsloth_rollout.engine import decode_graphs
+from unsloth_rollout.engine.config import DecodeConfig
+from unsloth_rollout.engine.decode import graph as decode_graphs
+from unsloth_rollout.testing.decode import check_greedy_and_logprobs, lora_policy, word_prompts
 
 
 def _engine(policy):
-    return RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode_backend="static",
-                                              compile_mode="cuda-graphs"))
+    return RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=32 << 20, decode=DecodeConfig(backend="graph")))
 
 
 @pytest.fixture
@@ -29,21 +29,21 @@ def stand_in(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_replayed_steps_are_exact_and_follow_the_workspace_and_weights(model_dirs, arch, stand_in):
-    policy = _policy(model_dirs[arch])
+    policy = lora_policy(model_dirs[arch])
     engine = _engine(policy)
     try:
-        st = engine.core.runner.static
-        g = st.graphs
+        st = engine.core.runner.decode_steps.compiled
+        g = engine.core.runner.decode_steps.graph
         assert g is not None and st.key_align == decode_graphs.KEY_BUCKET
-        prompts = _prompts(policy, 9)
+        prompts = word_prompts(policy, 9)
         prompts[4] = (prompts[4] * 30)[:250]  # past the workspace's first capacity: it grows, graphs drop
-        _check(policy, engine, prompts[:1], 20)
-        _check(policy, engine, prompts[:5], 24)
-        _check(policy, engine, prompts, 24)
+        check_greedy_and_logprobs(policy, engine, prompts[:1], 20)
+        check_greedy_and_logprobs(policy, engine, prompts[:5], 24)
+        check_greedy_and_logprobs(policy, engine, prompts, 24)
         stats = engine.stats()
         assert stats["decode_graphs_disabled"] is None
         assert g.captures >= 3 and g.replays > 3 * g.captures  # most steps replayed, not recorded
-        assert g.invalidations >= 1 and engine.core.runner.workspace.grows >= 1
+        assert g.invalidations >= 1 and engine.core.runner.decode_steps.workspace.grows >= 1
         assert st.eager_steps == 0 and st.recompiles == 0
         # An in-place LoRA update (an optimizer step) with no announcement: the replay reads the new values
         # (fresh prompts: the prefix cache's KV of the earlier ones is the old weights' until weights_changed).
@@ -52,7 +52,7 @@ def test_replayed_steps_are_exact_and_follow_the_workspace_and_weights(model_dir
             for name, p in policy.model.named_parameters():
                 if "lora_B" in name:
                     p.mul_(-1.5)
-        _check(policy, engine, _prompts(policy, 5, "carol"), 16)
+        check_greedy_and_logprobs(policy, engine, word_prompts(policy, 5, "carol"), 16)
         assert g.replays > replays
         # Announced (weights_changed), and a parameter given new memory without any announcement: no graph
         # recorded before either is replayed after it.
@@ -64,7 +64,7 @@ def test_replayed_steps_are_exact_and_follow_the_workspace_and_weights(model_dir
                 with torch.no_grad():
                     name, p = next((n, p) for n, p in policy.model.named_parameters() if "lora_B" in n)
                     p.data = p.data * 0.5 + 0.01  # new storage, same shape
-            _check(policy, engine, _prompts(policy, 5, change), 16)
+            check_greedy_and_logprobs(policy, engine, word_prompts(policy, 5, change), 16)
             assert g.invalidations > before and g.disabled is None, change
     finally:
         engine.shutdown()
@@ -80,15 +80,16 @@ def test_a_wrong_recording_is_caught_and_graphs_switch_off(qwen2_dir, stand_in, 
         g.replay = lambda: None  # never recomputes
         return g, g.out
 
-    policy = _policy(qwen2_dir)
+    policy = lora_policy(qwen2_dir)
     engine = _engine(policy)
-    monkeypatch.setattr(engine.core.runner.static.graphs, "capture", stale)
+    monkeypatch.setattr(engine.core.runner.decode_steps.graph, "capture", stale)
     try:
-        _check(policy, engine, _prompts(policy, 3), 12)
-        g = engine.core.runner.static.graphs
+        check_greedy_and_logprobs(policy, engine, word_prompts(policy, 3), 12)
+        g = engine.core.runner.decode_steps.graph
         assert g.disabled is not None and "differed" in g.disabled
         assert engine.stats()["decode_graphs_disabled"] == g.disabled
-        _check(policy, engine, _prompts(policy, 4), 10)  # the compiled step, unrecorded, from then on
+        check_greedy_and_logprobs(policy, engine, word_prompts(policy, 4),
+                                  10)  # the compiled step, unrecorded, from then on
     finally:
         engine.shutdown()
 
@@ -115,30 +116,31 @@ def test_a_hook_added_after_recording_is_called(qwen2_dir, stand_in, monkeypatch
         g.replay = replay
         return g, g.out
 
-    policy = _policy(qwen2_dir)
+    policy = lora_policy(qwen2_dir)
     engine = _engine(policy)
-    g = engine.core.runner.static.graphs
+    g = engine.core.runner.decode_steps.graph
     monkeypatch.setattr(g, "capture", python_free)
     try:
-        prompts = _prompts(policy, 3)
-        _check(policy, engine, prompts, 12)
+        prompts = word_prompts(policy, 3)
+        check_greedy_and_logprobs(policy, engine, prompts, 12)
         assert g.replays > 2 * g.captures and g.disabled is None  # recorded, checked, trusted
-        mlp = engine.core.runner.static._layers[1].mlp
+        mlp = engine.core.runner.decode_steps.compiled.layers[1].mlp
         handle = mlp.register_forward_hook(lambda mod, args, out: out * 3.0)
         try:
             replays = g.replays
-            _check(policy, engine, _prompts(policy, 3, "bob"), 12)  # the same buckets: the graphs would serve
+            check_greedy_and_logprobs(policy, engine, word_prompts(policy, 3, "bob"),
+                                      12)  # the same buckets: the graphs would serve
             assert g.replays == replays and g.hooked_steps > 0 and g.disabled is None
         finally:
             handle.remove()
         captures = g.captures
-        _check(policy, engine, _prompts(policy, 3, "pears"), 12)
+        check_greedy_and_logprobs(policy, engine, word_prompts(policy, 3, "pears"), 12)
         assert g.replays > replays and g.captures == captures  # the graphs recorded before the hook
     finally:
         engine.shutdown()
 
 
-def test_cuda_graphs_on_a_cpu_model_are_refused_by_name(qwen2_dir):
-    policy = _policy(qwen2_dir)
-    with pytest.raises(ValueError, match="compile_mode='cuda-graphs' needs a CUDA device"):
+def test_the_graph_step_on_a_cpu_model_is_refused_by_name(qwen2_dir):
+    policy = lora_policy(qwen2_dir)
+    with pytest.raises(ValueError, match="decode backend 'graph' needs a CUDA device"):
         _engine(policy)
