@@ -299,3 +299,15 @@ def test_the_runner_and_the_decode_steps_take_their_config_whole():
         params = set(inspect.signature(fn).parameters)
         assert not params & settings, (fn.__qualname__, params & settings)
     assert "config" in inspect.signature(ModelRunner.__init__).parameters
+
+
+def test_the_scheduler_decides_and_the_core_runs_the_plan():
+    """Block allocation, preemption and the prefix cache's lookups and inserts live with the scheduler: the core
+    (under 250 lines, the step and little else) calls none of them."""
+    path = ENGINE / "core.py"
+    lines = len(path.read_text().splitlines())
+    assert lines < 250, f"engine/core.py is {lines} lines"
+    decisions = {"allocate", "preempt", "share", "lookup", "insert", "longest_prefix", "evict_for", "drop"}
+    bad = [f"core.py:{n.lineno}: {ast.unparse(n)[:80]}" for n in ast.walk(_tree(path))
+           if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in decisions]
+    assert not bad, "\n".join(bad)

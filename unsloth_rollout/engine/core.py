@@ -1,15 +1,16 @@
 """EngineCore: one step of continuous batching: schedule, run, sample, output. No threads.
 
-``step()`` asks the scheduler which sequences run, prefills the new prompt groups (once per distinct prompt), decodes
-one token for every running sequence, samples, and hands finished samples to their ``on_event`` callback.
-``RolloutEngine`` (engine.py) drives it from a thread and adds futures, asyncio, pause and weight-change bookkeeping."""
+``step()`` asks the scheduler for the step's plan, decodes one token for every running sequence, runs the prefill
+jobs the scheduler planned for the admitted groups (once per distinct prompt) and hands their results back to it,
+samples, and hands finished samples to their ``on_event`` callback. The scheduler decides (admission, blocks,
+preemption, the prefix cache); this module runs what it decided. ``RolloutEngine`` (engine.py) drives it from a
+thread and adds futures, asyncio, pause and weight-change bookkeeping."""
 
 from __future__ import annotations
 
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -19,53 +20,15 @@ from .attention import ModelNotServableError
 from .config import EngineConfig
 from .constraints import GrammarCompiler
 from .inputs import InputPreparer
-from .kv_cache import KVCache, build_kv_cache
-from .output import OutputProcessor
-from .prefix_cache import PrefixEntry, prefix_key
+from .kv_cache import build_kv_cache
+from .output import OutputProcessor, eos_token_ids
 from .runner import ModelRunner
 from .sampler import Sampler
-from .scheduler import Scheduler
-from .scoring import PromptScorer
+from .scheduler import PrefillPlan, Scheduler
 from .sequence import Sequence, Status
 from .weights import WeightsClock
 
 logger = get_logger("unsloth_rollout")
-
-PACK_MAX_TOKENS = 4096  # most prompt tokens packed into one prefill forward (its mask is quadratic in them)
-
-
-def eos_token_ids(policy) -> list[int]:
-    """EOS ids from the generation config (one or a list) and the tokenizer."""
-    ids = set()
-    gc = getattr(policy.base_model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None) if gc is not None else None
-    for x in (e if isinstance(e, (list, tuple)) else [e]):
-        if isinstance(x, int):
-            ids.add(x)
-    if policy.tokenizer.eos_token_id is not None:
-        ids.add(policy.tokenizer.eos_token_id)
-    return sorted(ids)
-
-
-@dataclass
-class PrefillJob:
-    """One prompt a prefill forward computes (a fresh prompt, a next turn's new tokens, or a recompute)."""
-
-    head: Sequence  # the sequence it is computed for: its adapter, request id and prompt (images)
-    ids: list[int]  # every token of the prompt: its prompt ids, or prompt + output so far for a recompute
-    blocks: list[int]  # the KV blocks its positions are written into
-    start: int = 0  # first position computed (> 0: the positions before are a cached prompt's shared KV)
-    scorer: PromptScorer | None = None  # scores every prompt position (prompt_logprobs)
-    owns_blocks: bool = True  # free ``blocks`` when it is not computed (False: the sequence's own, finish() frees)
-
-    def runner_item(self, kv: KVCache) -> tuple:
-        """What ``ModelRunner.prefill_packed`` takes per prompt: (ids, slots, prompt[, start])."""
-        return (self.ids, kv.slots(self.blocks, 0, len(self.ids)), self.head.prompt) + ((self.start,) if self.start
-                                                                                      else ())
-
-    def release(self, kv: KVCache) -> None:
-        if self.owns_blocks:
-            kv.free(self.blocks)
 
 
 class EngineCore:
@@ -86,7 +49,8 @@ class EngineCore:
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.multimodal.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
         self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.prefill.max_tokens, config.prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.prefill, config.prefix_cache,
+                                   self.runner.vision, self._vision_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefills": 0, "prefill_forwards": 0,
                       "finished": 0, "aborted": 0, "errors": 0, "busy_s": 0.0, "weight_recomputes": 0,
@@ -112,12 +76,10 @@ class EngineCore:
             if plan is not None:
                 if plan.decode:
                     produced += self._decode(plan.decode, version)
-                fresh = [g for g in plan.prefill_groups if not g[0].output_ids]
-                resumed = [g[0] for g in plan.prefill_groups if g[0].output_ids]
-                if resumed:  # after preemption or a weight change: recompute prompt + output privately
-                    produced += self._recompute(resumed, version, stamp_of)
-                if fresh:
-                    produced += self._prefill_groups(fresh, version, stamp_of)
+                if resumed := plan.resumed:  # after preemption or a weight change: prompt + output recomputed
+                    produced += self._prefill(self.scheduler.plan_recompute(resumed), version, stamp_of)
+                if fresh := plan.fresh:  # each distinct new prompt once (or found in the prefix cache)
+                    produced += self._prefill(self.scheduler.plan_prompts(fresh, stamp_of), version, stamp_of)
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"] - computed
@@ -137,32 +99,18 @@ class EngineCore:
         """The stale-KV rule (``WeightsClock.apply``, engine/weights.py) on this core's scheduler."""
         self.weights.apply(self.scheduler, stamp_of, changes, self.config.recompute_on_weight_change, self.stats)
 
-    def _recompute(self, seqs: list[Sequence], version: int, stamp_of) -> int:
-        """Recompute resumed sequences (prompt + output so far, each into its own blocks), packed into as few
-        forwards as the budget allows; one sampler call for all of them."""
-        sch = self.scheduler
-        jobs = {}
-        for s in seqs:
-            blocks = sch.allocate(sch.blocks_for(s.num_tokens))
-            if blocks is None:
-                sch.preempt(s, count=False)
-                continue
-            s.block_table = blocks
-            jobs[s.seq_id] = PrefillJob(s, s.all_ids, blocks, owns_blocks=False)  # finish() frees a failed one's
-        done, failed = self._run_packs(self._packs(jobs), jobs)
-        for k, error in failed.items():
-            self.finish(jobs[k].head, "abort", error=error)
-        ready, rows = [], []
-        for k, (logits, delta) in done.items():
-            s = jobs[k].head
-            s.num_cached, s.rope_delta = s.num_tokens, delta
-            s.kv_stamp, s.kv_version = stamp_of(s.lora_name), version
-            s.kv_epoch += 1
-            self.stats["prefill_tokens"] += s.num_tokens
-            self.stats["prefills"] += 1
-            ready.append(s)
-            rows.append(logits)
-        return self._sample(ready, torch.stack(rows), version) if ready else 0
+    def _prefill(self, plan: PrefillPlan, version: int, stamp_of) -> int:
+        """Run a plan's prefill jobs, packed into as few forwards as the budget allows, and hand the results back to
+        the scheduler; one sampler call for every sequence they made ready."""
+        done, failed = self._run_packs(plan.packs(), plan.jobs)
+        result = self.scheduler.update_from_prefill(plan, done, failed, version, stamp_of)
+        for s, reason, error in result.finished:
+            self.finish(s, reason, error=error)
+        for name, n in result.counts().items():
+            self.stats[name] += n
+        if not result.ready:
+            return 0
+        return self._sample([s for s, _ in result.ready], result.logits(), version)
 
     def _run_packs(self, packs: list[list], jobs: dict) -> tuple[dict, dict]:
         """Run each pack of keys of ``jobs`` in one packed prefill forward.
@@ -191,131 +139,6 @@ class EngineCore:
             self.stats["prefill_forwards"] += 1
             done.update(zip(pack, outs))
         return done, failed
-
-    def _packs(self, jobs: dict) -> list[list]:
-        """The keys of ``jobs`` in packed forwards: same adapter, packable vision inputs, at most
-        ``prefill.max_tokens``, ``prefill.chunk_tokens`` (and PACK_MAX_TOKENS) tokens each; a longer prompt alone,
-        where ``prefill_chunked`` splits it: no prefill forward exceeds the chunk (images aside, see there). A job
-        that extends a cached prompt (``start`` > 0) runs alone, from where that prompt ends."""
-        packs, open_by_adapter = [], {}
-        # The packed mask is [total, total]: packs stay small enough that it never outweighs the forward.
-        limit = min(self.config.prefill.max_tokens, self.config.prefill.chunk_tokens, PACK_MAX_TOKENS)
-        for key, job in jobs.items():
-            if job.start:
-                continue
-            if not self.runner.can_pack(job.head.prompt):
-                packs.append([key])
-                continue
-            n, lora = len(job.ids), job.head.lora_name
-            cur = open_by_adapter.get(lora)
-            if cur is None or cur[1] + n > limit:
-                cur = [[], 0]
-                open_by_adapter[lora] = cur
-                packs.append(cur[0])
-            cur[0].append(key)
-            cur[1] += n
-        return packs + [[k] for k, job in jobs.items() if job.start]
-
-    def _prefill_groups(self, groups: list[list[Sequence]], version: int, stamp_of) -> int:
-        """Prefill each distinct new prompt once (or find it in the prefix cache), the distinct prompts of this step
-        packed into as few forwards as the budget allows; every member of a group shares its prompt's KV. One
-        sampler call for all members."""
-        sch, prefix = self.scheduler, self.scheduler.prefix
-        todo: dict = {}  # prefix key -> PrefillJob: the distinct prompts to compute this step
-        ready = []
-        for group in groups:
-            key = prefix_key(group[0])
-            want = max((s.sampling.prompt_logprobs for s in group if s.sampling.prompt_logprobs is not None),
-                       default=None)
-            if want is not None:
-                entry = prefix.lookup(key)
-                if entry is not None and (entry.scores is None or entry.scores.k < want):
-                    prefix.drop(key)  # cached without (enough) scores: computed again below, scored
-            if key not in todo and prefix.lookup(key) is None:
-                head = group[0]
-                job = None if want is not None else self._extendable(head, stamp_of)
-                if job is None:
-                    blocks = sch.allocate(sch.blocks_for(len(head.prompt_ids)), keep=key)
-                    if blocks is None:  # memory went elsewhere this step: wait in line, first
-                        for s in reversed(group):
-                            sch.preempt(s, count=False)
-                        continue
-                    job = PrefillJob(head, head.prompt_ids, blocks,
-                                     scorer=PromptScorer(head.prompt_ids, want) if want is not None else None)
-                todo[key] = job
-            ready.append((group, key))
-        done, failed = self._run_packs(self._packs(todo), todo)
-        for k, (logits, delta) in done.items():
-            job = todo[k]
-            n, start = len(job.ids), job.start
-            scores = job.scorer.result() if job.scorer is not None else None
-            prefix.insert(k, PrefixEntry(job.blocks, n, logits, delta, version, stamp_of(job.head.lora_name), scores))
-            self.stats["prefill_tokens"] += n - start
-            self.stats["prefills"] += 1
-            if start:
-                prefix.extensions += 1
-                prefix.reused_tokens += start
-        seqs, rows = [], []
-        for group, key in ready:
-            if key in failed:
-                for s in group:
-                    if not s.finished:
-                        self.finish(s, "abort", error=failed[key])
-                continue
-            entry = prefix.lookup(key)
-            if entry is None:  # evicted by an earlier group's blocks this step: prefill again next step
-                for s in reversed(group):
-                    sch.preempt(s, count=False)
-                continue
-            computed_here = todo.pop(key, None)
-            prefix.hits += len(group) - (1 if computed_here is not None else 0)
-            # Token counts as vLLM's prefix_cache_queries / hits: each member's prompt, and what it did not compute.
-            self.stats["prefix_cache_query_tokens"] += len(group) * entry.num_tokens
-            self.stats["prefix_cache_hit_tokens"] += len(group) * entry.num_tokens - (
-                entry.num_tokens - computed_here.start if computed_here is not None else 0)
-            for s in group:
-                if s.sampling.prompt_logprobs is not None:
-                    s.prompt_scores = entry.scores
-                if s.sampling.max_new_tokens == 0:  # scoring only: nothing to sample
-                    self.finish(s, "length")
-                    continue
-                own = []
-                if prefix.needs_own_block(entry) and (own := sch.allocate(1, keep=key)) is None:
-                    sch.preempt(s, count=False)
-                    continue
-                s.block_table, s.num_cached, s.rope_delta = prefix.share(entry, own), entry.num_tokens, entry.rope_delta
-                s.kv_stamp, s.kv_version = entry.stamp, entry.version
-                s.kv_epoch += 1
-                seqs.append(s)
-                rows.append(entry.logits)
-            if not prefix.enabled:
-                prefix.drop(key)
-        if not seqs:
-            return 0
-        return self._sample(seqs, torch.stack(rows), version)
-
-    def _extendable(self, head: Sequence, stamp_of) -> "PrefillJob | None":
-        """A job from ``start`` when ``head``'s prompt extends a cached prompt's KV (a next turn): its block
-        table is the cached prompt's full blocks, shared, plus new blocks for the rest, which the step prefills
-        from ``start``. None when no cached prompt qualifies, the new tokens hold image placeholders (they need
-        their pixels), or memory is short (the prompt is then prefilled whole, as before)."""
-        sch, prefix = self.scheduler, self.scheduler.prefix
-        if not prefix.enabled:
-            return None
-        key = prefix_key(head)
-        hit = prefix.longest_prefix(key, stamp_of(head.lora_name))
-        if hit is None:
-            return None
-        hit_key, entry = hit
-        ids, bs = head.prompt_ids, self.kv.block_size
-        full = len(hit_key[0]) // bs
-        start = full * bs
-        if self._vision_ids and not self._vision_ids.isdisjoint(ids[start:]):
-            return None
-        new = sch.allocate(sch.blocks_for(len(ids)) - full, keep=hit_key)
-        if new is None:
-            return None
-        return PrefillJob(head, ids, self.kv.share(entry.blocks[:full]) + new, start)
 
     def _decode(self, seqs: list[Sequence], version: int) -> int:
         try:

@@ -26,6 +26,19 @@ def _stream_backend(tokenizer):
     return backend if isinstance(backend, Tokenizer) else None
 
 
+def eos_token_ids(policy) -> list[int]:
+    """EOS ids from the generation config (one or a list) and the tokenizer."""
+    ids = set()
+    gc = getattr(policy.base_model, "generation_config", None)
+    e = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for x in (e if isinstance(e, (list, tuple)) else [e]):
+        if isinstance(x, int):
+            ids.add(x)
+    if policy.tokenizer.eos_token_id is not None:
+        ids.add(policy.tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: list[int], max_model_len: int):
         self.tokenizer = tokenizer
