@@ -2,7 +2,7 @@
 
 from ..errors import (CacheBypassError, EngineStopped, InvalidRequestError, ModelNotServableError, RequestRejected,
                       UnsupportedAttentionError)
-from .config import EngineConfig, SamplingParams
+from .config import DecodeConfig, EngineConfig, LoRAConfig, MultiModalConfig, PrefillConfig, SamplingParams
 from .constraints import StructuredOutputs
 from .engine import RolloutEngine
 from .request import GenerationOutput, GenerationRequest, StreamDelta
@@ -10,4 +10,5 @@ from .request import GenerationOutput, GenerationRequest, StreamDelta
 __all__ = [
     "CacheBypassError", "ModelNotServableError", "UnsupportedAttentionError", "EngineConfig", "EngineStopped", "GenerationOutput", "GenerationRequest", "InvalidRequestError",
     "RequestRejected", "RolloutEngine", "SamplingParams", "StreamDelta", "StructuredOutputs",
+    "DecodeConfig", "PrefillConfig", "LoRAConfig", "MultiModalConfig",
 ]
