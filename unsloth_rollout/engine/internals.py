@@ -1,9 +1,9 @@
-"""The private parts of torch and transformers the engine relies on, in one place.
+"""The private parts of torch, transformers and PEFT the engine relies on, in one place.
 
 Every name here is a library's private attribute or module, read or written the way the engine needs it; no other
-module of ``engine/`` touches one (tests/test_layout.py checks that from the source). Checked against torch 2.13 and
-transformers 5.17 (the pinned line) and the newest release the smoke run resolves; where one moves, this is the one
-file to change.
+module of ``engine/`` touches one (tests/test_layout.py checks that from the source). Checked against torch 2.13,
+transformers 5.17 and PEFT 0.18 (the pinned line) and the newest release the smoke run resolves; where one moves,
+this is the one file to change.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def swap_attention(config, name: str | None) -> str | None:
 def tokenizer_backend(tokenizer):
     """A fast tokenizer's ``tokenizers.Tokenizer`` (``tokenizer._tokenizer``), or None."""
     return getattr(tokenizer, "_tokenizer", None)
+
+
+# ------------------------------------------------------------------ PEFT
+# Per LoRA layer (PEFT's BaseTunerLayer), the attributes that choose what its forward computes (read by name from
+# each layer's ``__dict__``: engine/weights.py's ``WeightsClock.watch``).
+LORA_SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling")
 
 
 # ------------------------------------------------------------------ torch: modules and hooks

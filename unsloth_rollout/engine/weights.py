@@ -24,11 +24,9 @@ import operator
 import threading
 
 from ..logs import get_logger
-from .internals import children
+from .internals import LORA_SWITCHES, children
 
 log = get_logger("unsloth_rollout")
-# Per LoRA layer (PEFT's BaseTunerLayer), the attributes that choose what its forward computes.
-SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling")
 
 
 class WeightsClock:
@@ -44,7 +42,7 @@ class WeightsClock:
         self._changes = 0  # bumps so far: a step only looks for stale KV when this moved
         self._changes_applied = 0  # bumps whose stale KV ``apply`` has already dealt with (engine thread only)
         self._layers = None  # (model, the __dict__ of each of its LoRA layers, bumps when listed, _homes): ``watch``
-        self._switches = None  # what those layers' SWITCHES were at the last step start
+        self._switches = None  # what those layers' LORA_SWITCHES were at the last step start
         self.switch_changes = 0  # changes of the switches that ``watch`` turned into a weight change
 
     def bump(self, version: int | None, lora_name: str | None) -> None:
@@ -58,7 +56,7 @@ class WeightsClock:
                 self.version = int(version)
 
     def watch(self, model) -> bool:
-        """At a step start (engine thread): bump the clock when a LoRA layer's switches (``SWITCHES``) differ from
+        """At a step start (engine thread): bump the clock when a LoRA layer's switches (``LORA_SWITCHES``) differ from
         the last step's without a bump since; True when it did. The layers are listed again after every bump
         (an adapter load may add LoRA layers), and the switches then read as they are."""
         changes = self._changes
@@ -71,7 +69,7 @@ class WeightsClock:
         _, dicts, _, (children, names, layers) = self._layers
         if not dicts:
             return False
-        now = [list(map(dict.get, dicts, itertools.repeat(a))) for a in SWITCHES]  # compared by value, in C
+        now = [list(map(dict.get, dicts, itertools.repeat(a))) for a in LORA_SWITCHES]  # compared by value, in C
         placed = all(map(operator.is_, map(dict.get, children, names), layers))  # no LoRA layer unloaded
         if placed and (self._switches is None or now == self._switches):
             if self._switches is None:
