@@ -13,7 +13,9 @@ from ...logs import get_logger
 from ...models.families import family_of
 from .choose import PARTS, choose_backend, choose_step, facts_of, layers_per_call, shared_prompt_min_tokens, \
     shared_prompts_served
+from .compiled import CompiledStep
 from .gather import GatherStep
+from .graph import KEY_BUCKET, GraphStep, check_device
 from .step import DecodeContext, DecodeRows, DecodeStep
 from .workspace import DecodeWorkspace, WorkspaceStep
 
@@ -47,9 +49,6 @@ class DecodeSteps:
         self._set_min_shared()
 
     def _build_compiled(self, graph: bool) -> None:
-        from .compiled import CompiledStep
-        from .graph import GraphStep, KEY_BUCKET, check_device
-
         c = self.context
         per_call = layers_per_call(c.config.layers_per_call, family_of(c.policy.config).served)
         if graph:
@@ -120,7 +119,7 @@ class DecodeSteps:
 
     def stats(self) -> dict:
         ws = self.workspace
-        s = dict(decode_backend=self.backend, decode_backend_fallback=self.fallback,
+        s = dict(decode_backend=self.backend, decode_backend_reason=self.why, decode_backend_fallback=self.fallback,
                  decode_workspace_bytes=ws.memory_bytes if ws is not None else 0,
                  decode_workspace_peak_bytes=ws.peak_bytes if ws is not None else 0,
                  decode_workspace_budget_bytes=ws.budget_bytes if ws is not None else 0,
