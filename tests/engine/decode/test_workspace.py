@@ -92,8 +92,8 @@ def test_workspace_grows_once_to_the_hinted_batch_within_its_budget():
     assert tight.memory_bytes <= 6 * 48 * per and not tight.gathering
 
 
-def _core(policy, backend: str, kv_tokens: int | None = None) -> EngineCore:
-    return engine_core(policy, kv_tokens, decode=DecodeConfig(backend=backend))
+def _core(policy, backend: str, kv_tokens: int | None = None, **decode) -> EngineCore:
+    return engine_core(policy, kv_tokens, decode=DecodeConfig(backend=backend, **decode))
 
 
 def _run(core: EngineCore, prompts: list[list[int]], max_new: list[int], temperature: float, n: int = 1):
@@ -166,7 +166,7 @@ def test_a_decode_step_builds_its_attention_mask_once_not_per_layer(qwen2_dir, k
     float mask it made once for the step (``ForwardContext.additive_mask``), whose -inf / 0 are what SDPA makes.
     The CPU attention kernel reads each row's key range and needs no mask at all."""
     policy = load_model(qwen2_dir, backend="transformers")
-    core = _core(policy, "workspace", cpu_attention_kernel=kernel)
+    core = _core(policy, "workspace", cpu_kernel=kernel)
     assert core.runner.kernel == kernel
     for i in range(3):
         ids = policy.tokenizer.encode("alice counts twelve apples " * (2 + 3 * i))  # rows of three lengths
