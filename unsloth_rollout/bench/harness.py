@@ -292,7 +292,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
     if unknown:
         raise ValueError(f"--backends: unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
     if lora < 0:
-        raise ValueError(f"--lora must be >= 0 (0 = no LoRA), got {lora}")
+        raise ValueError(f"--lora-rank must be >= 0 (0 = no LoRA), got {lora}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     path = model_path(model)
