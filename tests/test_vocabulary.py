@@ -43,9 +43,9 @@ RULES = (
     _rule("a work stop's number", r"\bstop \d+\b"),
     # "turn" is the product's word for a chat turn ("an image in turn 1", "the previous turn's tokens"); only
     # a turn that did work (built, measured, ...) or that time is counted from is a work session.
-    _rule("a work turn", r"\b(?:since|during|until|as of) (?:this|that|the last|the previous|an earlier|a later) turn\b"
-                         r"|\b(?:built|added|fixed|measured|written|changed|landed) (?:in )?(?:this|that|the previous"
-                         r"|an earlier|a later) turn\b"),
+    _rule("a work turn", r"\b(?:since|during|until|as of) (?:this|that|the last|the previous|an earlier|a later)"
+                         r" turn\b|\b(?:built|added|fixed|measured|written|changed|landed) (?:in )?(?:this|that"
+                         r"|the previous|an earlier|a later) turn\b"),
     _rule("an internal goal", r"\bgoals?_\w+|\b\w+_goals?\b|\b\w+'s goals?\b"
                               r"|\bgoals?\b[^\n]{0,40}?(?:[<>≤≥]=?\s*\d|\d+(?:\.\d+)?\s*(?:x|%)|\bmet\b)"
                               r"|\d+(?:\.\d+)?\s*(?:x|%) goal\b|\b(?:against|under|over|above|below|within) the goals?\b"

@@ -8,7 +8,8 @@ padded ``model.generate()`` path. Each is timed over ``trainer._generate(prompts
 
 Example::
 
-    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 --json benchmarks/trl/bench_small_vlm_16x8.json
+    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 \\
+        --json benchmarks/trl/bench_small_vlm_16x8.json
 """
 
 from __future__ import annotations
