@@ -112,9 +112,9 @@ def _without_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 LAYERS = sorted({_layer(n) for n in _modules()} - {""})
 
-# Rules another part of issue 25 makes true, not this one: expected to fail until it lands (strict=False, so the
-# case passes as soon as it holds). Every rule the engine face and the weight owner met is never marked.
-PENDING: dict[str, str] = {}  # every rule holds now
+# Rules the package does not meet yet, each with why: expected to fail until it does (strict=False, so the
+# case passes as soon as it holds). A rule the package meets is never listed.
+PENDING: dict[str, str] = {}  # every rule holds
 
 
 def _pending(case: str):

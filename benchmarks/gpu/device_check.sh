@@ -15,7 +15,7 @@
 #          (decode_backend="static": compiled at engine start; warm-up and recompiles recorded)
 #   unsloth  unsloth_check.py: Unsloth's FastLanguageModel fast path refused by name (or served exactly), auto
 #          loading transformers there, FastVisionModel served within bounds (needs site.tgz)
-#   all    everything the decode issue asks for in one call under 590 s: the model build in the background while
+#   all    the decode checks in one call under 590 s: the model build in the background while
 #          tests/test_gpu.py and unsloth_check.py share the GPU (correctness only), then alone on the GPU the 3B
 #          VL decode sweep (eager workspace, captured static, HF generate() at batch 1 and 64), then the NF4
 #          eager sweep if time is left

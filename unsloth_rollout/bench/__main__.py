@@ -20,6 +20,7 @@ from .overhead import OVERHEAD_DEFAULTS
 from .workloads import SHAPES, WORKLOADS
 
 from ..engine.config import parse_bytes
+from ..engine.runner import EAGER_MIN_PREFIX, STATIC_MIN_PREFIX
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-sequential-max", type=int, default=24,
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
     p.add_argument("--shared-prefix-min-tokens", type=int, default=None,
-                   help="--workload long: EngineConfig.shared_prefix_min_tokens (default: the engine's, 640 with the "
-                        "compiled step, 32 with eager steps)")
+                   help=f"--workload long: EngineConfig.shared_prefix_min_tokens (default: the engine's, "
+                        f"{EAGER_MIN_PREFIX} with eager steps and with the compiled step on the CPU attention kernel, "
+                        f"{STATIC_MIN_PREFIX} with the compiled step without the kernel)")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
     p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
     p.add_argument("--repeats", type=int, default=None,

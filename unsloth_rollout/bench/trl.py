@@ -8,7 +8,8 @@ padded ``model.generate()`` path. Each is timed over ``trainer._generate(prompts
 
 Example::
 
-    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 --json benchmarks/trl/bench.json
+    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 \\
+        --json benchmarks/trl/bench_small_vlm_16x8.json
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
                  ["input_ids"][0]) for p in gen_prompts[::group]]
     return {
         "command": (f"python -m unsloth_rollout.bench --workload trl --model {model} --prompts {prompts} "
-                    f"--group {group} --max-new-tokens {max_new_tokens} --lora {lora} --seed {seed} "
+                    f"--group {group} --max-new-tokens {max_new_tokens} --lora-rank {lora} --seed {seed} "
                     f"--repeats {repeats}"),
         "what": "wall time of GRPOTrainer._generate(prompts) for one generation batch: rollout_func=engine vs "
                 "TRL's own padded model.generate() path (use_vllm=False)",

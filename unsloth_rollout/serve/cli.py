@@ -2,7 +2,7 @@
 
 Example::
 
-    unsloth-rollout serve ./qwen2.5-vl-3b --backend auto --max-model-len 8192 \\
+    unsloth-rollout serve ./qwen2.5-vl-3b --model-backend auto --max-model-len 8192 \\
         --lora policy=./ckpt/lora-v3 --api-key "$KEY" --port 8000
 """
 
