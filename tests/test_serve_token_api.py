@@ -12,6 +12,7 @@ Oracles: a teacher-forced forward of the same model object (``log_softmax(logits
 """
 
 import asyncio
+import json
 import math
 import threading
 
@@ -148,14 +149,11 @@ def test_stream_equals_the_full_answer(server):
     sp = {"temperature": 1.0, "seed": 3, "max_tokens": 9, "logprobs": 0, "ignore_eos": True}
     body = {"token_ids": [1, 2, 3, 4], "sampling_params": sp}
     full = _generate(server, body).json()["choices"][0]
-    chunks = []
     with httpx.stream("POST", server + ROUTE, timeout=120, json={
             "model": NAME, **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    import json
-
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     assert chunks[0]["prompt_token_ids"] == [1, 2, 3, 4]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
@@ -207,12 +205,14 @@ def test_bad_input_is_a_400_naming_the_field_while_others_are_served(server, pol
         assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400, (body, err)
     r = _generate(server, {"token_ids": [3], "model": "no-such-model"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    r = httpx.post(server + ROUTE, content=b"token_ids=3", headers={"content-type": "application/x-www-form-urlencoded"})
+    r = httpx.post(server + ROUTE, content=b"token_ids=3",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "content-type"
     t.join(120)
     choice = result["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 120
-    _assert_teacher_forced(policy, [5, 6, 7], choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]])
+    lps = [e["logprob"] for e in choice["logprobs"]["content"]]
+    _assert_teacher_forced(policy, [5, 6, 7], choice["token_ids"], lps)
 
 
 # ====================================================================== pause, abort, weights
@@ -242,6 +242,27 @@ def test_pause_abort_ends_a_request_and_keep_holds_new_ones(server, policy, engi
         httpx.post(server + "/resume")
     t.join(60)
     assert held["choices"][0]["finish_reason"] == "length" and len(held["choices"][0]["token_ids"]) == 4
+
+
+def test_a_client_that_leaves_aborts_its_request(server, engine):
+    """Streamed (hang up after the first chunk) or not (time out while the request waits): the engine request is
+    aborted and its KV freed."""
+    before = engine.stats()["aborted"]
+    body = {"model": NAME, "token_ids": [14, 15, 16], "stream": True,
+            "sampling_params": {"max_tokens": 480, "ignore_eos": True, "logprobs": 0}}
+    try:
+        with httpx.stream("POST", server + ROUTE, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+            httpx.post(server + "/pause", params={"mode": "keep"})
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server + ROUTE, json={**body, "stream": False}, timeout=1.0)
+        wait_for(lambda: engine.stats()["aborted"] >= before + 2, timeout=30, what="both requests to be aborted")
+    finally:
+        httpx.post(server + "/resume")
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
 def test_serves_the_weights_of_the_current_version(server, policy, engine):
