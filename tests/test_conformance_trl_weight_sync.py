@@ -337,8 +337,9 @@ def _grpo(model_dir, server, tmp_path, lr, **extra):
 
 def _check_followed(trainer, server, model_dir, start_version):
     """Every step's samples came from the weights TRL recomputes with (1e-5: at these settings, T = 1 and no
-    filter, the sampling distribution is the softmax TRL recomputes); after TRL's sync of the last optimizer step (the one its next generation would do) the server computes what the trainer's model computes
-    (greedy tokens, prompt logprobs), and that model moved."""
+    filter, the sampling distribution is the softmax TRL recomputes); after TRL's sync of the last optimizer step
+    (the one its next generation would do) the server computes what the trainer's model computes (greedy tokens,
+    prompt logprobs), and that model moved."""
     from transformers import AutoModelForCausalLM
 
     diffs = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history

@@ -40,7 +40,7 @@ listen_socket.bind((host, port))
 listen_socket.listen()
 print("listening", flush=True)
 store = dist.TCPStore(host_name=host, port=port, world_size=2, is_master=True,
-                      timeout=datetime.timedelta(seconds=60), use_libuv=False,
+                      timeout=datetime.timedelta(seconds=20), use_libuv=False,
                       master_listen_fd=listen_socket.fileno())
 print("members joined", flush=True)
 unique_id = ncclUniqueId()
@@ -74,10 +74,10 @@ def test_the_server_joins_vllms_rendezvous_and_reads_the_trainers_unique_id(vllm
                                env=dict(os.environ, PYTHONPATH=str(vllm_stub)))
     try:
         assert trainer.stdout.readline().strip() == "listening"
-        store = join_store("127.0.0.1", port, world_size=2, timeout_s=60)
+        store = join_store("127.0.0.1", port, world_size=2, timeout_s=20)
         assert receive_unique_id(store) == uid
         store.set("worker_read", "worker read the id")
-        out, _ = trainer.communicate(timeout=60)
+        out, _ = trainer.communicate(timeout=30)
     finally:
         if trainer.poll() is None:
             trainer.kill()

@@ -148,8 +148,7 @@ class NcclLibrary:
                            ("ncclAllReduce", [vp, vp, sz, i, i, vp, vp]),
                            ("ncclBroadcast", [vp, vp, sz, i, i, vp, vp]),
                            ("ncclCommGetAsyncError", [vp, ctypes.POINTER(i)]),
-                           ("ncclCommAbort", [vp]),
-                           ("ncclCommDestroy", [vp])):
+                           ("ncclCommAbort", [vp])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = i, args
         self.lib = lib
@@ -183,7 +182,10 @@ class NcclTransferGroup:
 
     def __init__(self, nccl: NcclLibrary, store, unique_id: bytes, rank: int, world_size: int,
                  device: torch.device):
-        self.nccl, self.rank, self.world_size, self.device = nccl, int(rank), int(world_size), torch.device(device)
+        device = torch.device(device)
+        if device.index is None:  # "cuda": the current device, named by index so tensors' devices compare equal
+            device = torch.device(device.type, torch.cuda.current_device())
+        self.nccl, self.rank, self.world_size, self.device = nccl, int(rank), int(world_size), device
         self.group = GroupHandle(store)
         uid = NcclUniqueId()
         ctypes.memmove(uid.internal, unique_id, len(unique_id))
@@ -236,7 +238,8 @@ class NcclTransferGroup:
         deadline = time.monotonic() + timeout_s
         state = ctypes.c_int()
         while not event.query():
-            self.nccl.check(self.nccl.lib.ncclCommGetAsyncError(self.comm, ctypes.byref(state)), "ncclCommGetAsyncError")
+            self.nccl.check(self.nccl.lib.ncclCommGetAsyncError(self.comm, ctypes.byref(state)),
+                            "ncclCommGetAsyncError")
             if state.value not in (0, 7) or time.monotonic() > deadline:  # 7: ncclInProgress
                 self.abort()
                 reason = self.nccl.lib.ncclGetErrorString(state.value).decode() if state.value not in (0, 7) \
@@ -245,12 +248,8 @@ class NcclTransferGroup:
             time.sleep(0.001)
 
     def abort(self) -> None:
+        """Close the communicator without waiting for the peer (what is in flight is dropped)."""
         if self.comm is not None:
             self.nccl.lib.ncclCommAbort(self.comm)
-            self.comm = None
-
-    def close(self) -> None:
-        if self.comm is not None:
-            self.nccl.lib.ncclCommDestroy(self.comm)
             self.comm = None
 
