@@ -32,7 +32,7 @@ from .routes_tokens import add_token_routes
 from .routes_weights import add_weight_routes
 from .settings import ServerSettings
 from .state import ServerState
-from .weight_transfer import parse_weight_transfer_config
+from .weight_transfer import check_weight_transfer_device, parse_weight_transfer_config
 
 
 def create_app(engine, settings: ServerSettings | None = None, **fields) -> FastAPI:
@@ -49,6 +49,7 @@ def create_app(engine, settings: ServerSettings | None = None, **fields) -> Fast
     """
     settings = ServerSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
     settings.weight_transfer_config = parse_weight_transfer_config(settings.weight_transfer_config)
+    check_weight_transfer_device(settings.weight_transfer_config, engine.policy)
     state = ServerState(engine, settings)
 
     @contextlib.asynccontextmanager

@@ -3,6 +3,8 @@
 ``teacher_forced`` is the trainer's view of a completion: one plain HF forward over prompt + output
 (no engine, no KV cache), scored as ``log_softmax(logits / T)[token]`` in fp32: what AReaL's and
 TRL's trainers recompute. Vision inputs pass through as the model's processor made them.
+``processed_distribution`` is, from its definition, the distribution a token is drawn from (vLLM's
+``processed_logprobs``), computed in float64 from such a forward's logits.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from ..engine.inputs import mm_token_type_ids
 
 __all__ = ["PARITY_FLOOR", "hf_generate_logprobs", "hf_logprobs", "mm_token_type_ids", "parity_bound", "perturb_lora",
-           "teacher_forced", "teacher_forced_logprobs"]
+           "processed_distribution", "teacher_forced", "teacher_forced_logprobs"]
 
 # The one bar for the engine's logprobs against a teacher-forced fp32 forward: ``PARITY_FLOOR``, or 1.5x HF
 # ``generate()``'s own distance from that forward on the same prompts when that is larger (``parity_bound``). HF's
@@ -83,6 +85,43 @@ def teacher_forced_logprobs(policy, prompt_ids, output_ids, temperature=1.0, pix
     if pixel_values is not None:
         vision.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     return teacher_forced(policy, prompt_ids, output_ids, temperature, **vision)
+
+
+def processed_distribution(logits, context_ids, output_ids, *, temperature: float = 1.0, top_k: int = 0,
+                           top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> torch.Tensor:
+    """[V] log-probabilities (float64, -inf where dropped) of the distribution the next token is sampled from, given
+    one position's raw ``logits``: the repetition penalty over ``context_ids`` (prompt + output so far), frequency
+    and presence penalties over ``output_ids`` (the output so far), then ``/ temperature``, the top-k logits, the
+    tokens under ``min_p`` x the top probability dropped, the smallest prefix of the rest (most likely first) whose
+    mass reaches ``top_p`` kept, renormalised.
+
+    Example::
+
+        _, logits = teacher_forced(policy, prompt, out)
+        want = processed_distribution(logits[i], prompt + out[:i], out[:i], temperature=0.7, top_p=0.9)[out[i]]
+    """
+    x = logits.double().clone()
+    if repetition_penalty != 1.0:
+        idx = torch.tensor(sorted(set(context_ids)), dtype=torch.long)
+        v = x[idx]
+        x[idx] = torch.where(v > 0, v / repetition_penalty, v * repetition_penalty)
+    for t in set(output_ids):
+        x[t] -= frequency_penalty * list(output_ids).count(t) + presence_penalty
+    x = x / temperature
+    if top_k > 0:
+        x[x < x.topk(top_k).values[-1]] = float("-inf")
+    p = torch.softmax(x, dim=-1)
+    if min_p > 0:
+        p[p < min_p * p.max()] = 0
+    keep, mass, total = torch.zeros_like(p, dtype=torch.bool), 0.0, float(p.sum())
+    for t in p.argsort(descending=True).tolist():
+        if mass >= top_p * total:
+            break
+        keep[t] = True
+        mass += float(p[t])
+    p = torch.where(keep, p, torch.zeros_like(p))
+    return torch.log(p / p.sum())
 
 
 def hf_logprobs(model, ids: list[int], n_out: int) -> torch.Tensor:
