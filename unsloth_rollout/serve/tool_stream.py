@@ -22,7 +22,8 @@ Example::
     'Hi'
     >>> text = 'Hi<tool_call>\\n{"name": "f", "arguments": {"a": 1}}\\n</tool_call>'
     >>> s.finish(parse_hermes(text), text)
-    ('', [{'index': 0, 'id': 'chatcmpl-tool-...', 'type': 'function', 'function': {'name': 'f', 'arguments': '{"a": 1}'}}])
+    ('', [{'index': 0, 'id': 'chatcmpl-tool-...', 'type': 'function',
+           'function': {'name': 'f', 'arguments': '{"a": 1}'}}])
 """
 
 from __future__ import annotations
