@@ -139,11 +139,17 @@ def test_streamed_answer_is_the_final_answer_wherever_the_output_ends(parser, pa
         _assert_whole_calls(deltas)
 
 
-def test_llama3_json_prose_is_held_until_the_end():
+def test_llama3_json_and_response_template_content_is_held_until_the_end():
+    """A later call can take back any Llama-3 prose (content None), and a response template shapes the content as
+    it likes: nothing is sent before the end."""
     s = ToolCallStream("llama3_json")
     text = 'Checking: {"name": "f", "parameters": {"a": 1}}'
     assert all(s.feed(text[:k]) == "" for k in range(len(text) + 1))
     assert s.finish(parse_llama3_json(text), text)[0] == ""  # the call took the prose: content None
+    s, tok = ToolCallStream("transformers"), _TokWithTemplate()
+    assert all(s.feed("Hello there"[:k]) == "" for k in range(12))
+    content, deltas = s.finish(parse_tool_calls("Hello there", "transformers", tok), "Hello there")
+    assert content == "hi" and [d["function"]["name"] for d in deltas] == ["f"]  # what the template says
 
 
 # ====================================================================== vLLM's Hermes parser tests
