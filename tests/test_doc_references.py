@@ -108,6 +108,12 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {s for a in parser._actions for s in a.option_strings}
 
 
+def script_flags(script: str, parser: argparse.ArgumentParser) -> set[str]:
+    """A script's flags: its own parser's, and AReaL's ``--config`` when it also hands its arguments to AReaL's
+    config loader (which builds a parser of its own after the script's)."""
+    return option_strings(parser) | ({"--config"} if "load_expr_config" in (ROOT / script).read_text() else set())
+
+
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return {name: sub for a in parser._actions if isinstance(a, argparse._SubParsersAction)
             for name, sub in a.choices.items()}
@@ -345,7 +351,7 @@ def command_problems(toks: list[str]) -> list[str]:
         parser = command_parser(script)
         if parser is None:
             return [f"{script}: takes no flags ({toks[2:]})"]
-        return flags_problems(script, toks[2:], option_strings(parser))
+        return flags_problems(script, toks[2:], script_flags(script, parser))
     if head == "torchrun" and "-m" in toks:
         i = toks.index("-m")
         return module_problems(toks[i + 1], toks[i + 2:]) if i + 1 < len(toks) else []
