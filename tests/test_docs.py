@@ -16,6 +16,8 @@ def test_reliability_tables_match_the_recorded_json():
 
 
 def test_docs_name_no_files_outside_the_repo():
-    for doc in ["README.md", "RELIABILITY.md", "docs/architecture.md", "benchmarks/README.md"]:
-        text = (ROOT / doc).read_text()
+    docs = [ROOT / "README.md", ROOT / "RELIABILITY.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("benchmarks/**/*.md"),
+            *ROOT.glob("examples/**/*.md")]
+    for doc in docs:
+        text = doc.read_text()
         assert "../shared" not in text and "/work/" not in text, doc
