@@ -62,6 +62,9 @@ ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 SEPARATORS = {"&&", "||", ";", "|"}
 
 
+UNAVAILABLE = argparse.ArgumentParser(prog="needs an optional package that is not installed")
+
+
 class _Captured(Exception):
     def __init__(self, parser):
         self.parser = parser
@@ -99,6 +102,10 @@ def command_parser(target: str) -> argparse.ArgumentParser | None:
         return c.parser
     except SystemExit:
         return None
+    except ModuleNotFoundError as e:  # an optional integration (areal, trl, ...) that is not installed here
+        if (e.name or "").startswith("unsloth_rollout"):
+            raise
+        return UNAVAILABLE
     finally:
         sys.argv = argv
     return None
@@ -125,7 +132,7 @@ def all_package_flags() -> frozenset[str]:
     scripts = [p.relative_to(ROOT).as_posix() for p in sorted(ROOT.glob("benchmarks/**/*.py"))]
     for target in (*PACKAGE_CLIS, *scripts):
         parser = command_parser(target)
-        if parser is not None:
+        if parser is not None and parser is not UNAVAILABLE:
             flags |= option_strings(parser)
     return frozenset(flags)
 
@@ -310,7 +317,13 @@ def module_problems(module: str, args: list[str]) -> list[str]:
             return [f"python -m {module}: no such module"]
     elif importlib.util.find_spec(module.split(".")[0]) is None:
         return []  # another project's module that is not installed here: nothing to check against
-    if importlib.util.find_spec(module) is None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError as e:  # finding it imports its package, which needs an optional integration
+        if (e.name or "").startswith("unsloth_rollout"):
+            raise
+        return []
+    if spec is None:
         return [f"python -m {module}: no such module"]
     if module == "unsloth_rollout.areal.launch":
         from unsloth_rollout.areal.launch import LAUNCHERS
@@ -321,6 +334,8 @@ def module_problems(module: str, args: list[str]) -> list[str]:
     if not module.startswith("unsloth_rollout"):
         return []
     parser = command_parser(module)
+    if parser is UNAVAILABLE:
+        return []
     if parser is None:
         return [f"python -m {module}: builds no argparse parser to check {args}"] if any(map(_flag, args)) else []
     out = flags_problems(f"python -m {module}", args, option_strings(parser))
@@ -349,6 +364,8 @@ def command_problems(toks: list[str]) -> list[str]:
         if not (ROOT / script).exists() or not any(map(_flag, toks[2:])):
             return []  # the path rule reports a missing script
         parser = command_parser(script)
+        if parser is UNAVAILABLE:
+            return []
         if parser is None:
             return [f"{script}: takes no flags ({toks[2:]})"]
         return flags_problems(script, toks[2:], script_flags(script, parser))

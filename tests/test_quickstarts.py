@@ -190,6 +190,8 @@ def test_server_quickstart_calls_the_tool_with_the_trainers_logprobs(python_quic
     ``serve`` command builds, without loading the model again): the forced tool call parses and validates, and
     its logprobs equal a teacher-forced forward over the tokens the server sampled (seeded: a replay with
     ``return_token_ids`` gets the same tokens)."""
+    for package in ("fastapi", "openai", "jsonschema"):
+        pytest.importorskip(package)
     import jsonschema
     import numpy as np
     from openai import OpenAI
