@@ -185,40 +185,43 @@ def test_python_quickstart_samples_the_group_with_the_trainers_logprobs(python_q
     assert engine.version == 1 and after[0].output_versions == [1, 1]  # set_version stamps what follows
 
 
-def test_server_quickstart_calls_the_tool_with_the_trainers_logprobs(python_quickstart):
-    """The server quick start against ``create_app`` over the Python quick start's engine (the same engine the
-    ``serve`` command builds, without loading the model again): the forced tool call parses and validates, and
-    its logprobs equal a teacher-forced forward over the tokens the server sampled (seeded: a replay with
-    ``return_token_ids`` gets the same tokens)."""
-    for package in ("fastapi", "openai", "jsonschema"):
+@pytest.fixture(scope="module")
+def served(python_quickstart):
+    """``create_app`` over the Python quick start's engine (the engine the ``serve`` command builds, without
+    loading the model again), on a free local port; yields the base URL."""
+    for package in ("fastapi", "uvicorn", "openai"):
         pytest.importorskip(package)
-    import jsonschema
-    import numpy as np
-    from openai import OpenAI
-
     from unsloth_rollout.serve import create_app
     from unsloth_rollout.serve.app import serve_in_thread
     from unsloth_rollout.testing.server import free_port
 
-    policy, engine = python_quickstart["policy"], python_quickstart["engine"]
     port = free_port()
-    server = serve_in_thread(create_app(engine, served_model_name="policy"), port=port)
-    try:
-        g = _run("quickstart_server.py", BASE_URL=f"http://127.0.0.1:{port}/v1")
-        r, zoom = g["r"], g["zoom"]
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "zoom"
-        jsonschema.validate(json.loads(call.function.arguments), zoom["function"]["parameters"])
-        got = [t.logprob for t in choice.logprobs.content]
-        replay = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused").chat.completions.create(
-            model="policy", max_tokens=64, seed=0, messages=[{"role": "user", "content": [
-                g["image"], {"type": "text", "text": "Which side is red?"}]}], tools=[zoom], tool_choice="required",
-            parallel_tool_calls=False, logprobs=True, extra_body={"return_token_ids": True}).model_dump()
-    finally:
-        server.should_exit = True
-        server.thread.join(timeout=30)
+    server = serve_in_thread(create_app(python_quickstart["engine"], served_model_name="policy"), port=port)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    server.thread.join(timeout=30)
+
+
+def test_server_quickstart_calls_the_tool_with_the_trainers_logprobs(python_quickstart, served):
+    """The forced tool call parses and validates, and its logprobs equal a teacher-forced forward over the tokens
+    the server sampled (seeded: a replay with ``return_token_ids`` gets the same tokens)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    import numpy as np
+    from openai import OpenAI
+
+    policy = python_quickstart["policy"]
+    g = _run("quickstart_server.py", BASE_URL=served + "/v1")
+    r, zoom = g["r"], g["zoom"]
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "zoom"
+    jsonschema.validate(json.loads(call.function.arguments), zoom["function"]["parameters"])
+    got = [t.logprob for t in choice.logprobs.content]
+    replay = OpenAI(base_url=served + "/v1", api_key="unused").chat.completions.create(
+        model="policy", max_tokens=64, seed=0, messages=[{"role": "user", "content": [
+            g["image"], {"type": "text", "text": "Which side is red?"}]}], tools=[zoom], tool_choice="required",
+        parallel_tool_calls=False, logprobs=True, extra_body={"return_token_ids": True}).model_dump()
     assert [t["logprob"] for t in replay["choices"][0]["logprobs"]["content"]] == got
     ids, out = replay["prompt_token_ids"], replay["choices"][0]["token_ids"]
     assert len(out) == len(got)
@@ -227,6 +230,33 @@ def test_server_quickstart_calls_the_tool_with_the_trainers_logprobs(python_quic
     want, _ = teacher_forced(policy, ids, out, 1.0, pixel_values=vision["pixel_values"],
                              image_grid_thw=vision["image_grid_thw"])
     assert (torch.tensor(got) - want).abs().max().item() <= TOL
+
+
+def test_server_manual_examples_run(served, monkeypatch):
+    """docs/server.md's client examples run against the server, in order, as written (those that need an adapter
+    folder, a checkpoint or a TRL trainer are left out), and every HTTP call they make succeeds (the ``openai``
+    client raises on an error by itself; ``httpx`` calls are made to)."""
+    import httpx
+
+    def checked(call):
+        def wrapper(*args, **kwargs):
+            response = call(*args, **kwargs)
+            response.raise_for_status()
+            return response
+        return wrapper
+
+    monkeypatch.setattr(httpx, "get", checked(httpx.get))
+    monkeypatch.setattr(httpx, "post", checked(httpx.post))
+    text = (ROOT / "docs" / "server.md").read_text()
+    blocks = [m.group(2) for m in FENCE.finditer(text) if m.group(1) == "python"]
+    runnable = [b for b in blocks if "ckpt/" not in b and "GRPOConfig" not in b]
+    assert blocks[0].startswith("import httpx") and 'B = "http://127.0.0.1:8000"' in blocks[0]
+    assert len(runnable) >= 6
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for code in runnable:
+            exec(compile(code.replace('B = "http://127.0.0.1:8000"', f'B = "{served}"'), "docs/server.md", "exec"),
+                 namespace)
 
 
 @pytest.mark.trl
