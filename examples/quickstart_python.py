@@ -19,7 +19,7 @@ from PIL import Image
 from unsloth_rollout import GenerationRequest, RolloutEngine, SamplingParams, load_model
 
 MODEL = os.environ.get("UNSLOTH_ROLLOUT_MODEL") or str(tiny_model_path("qwen2_5_vl"))
-policy = load_model(MODEL, lora={"r": 16, "finetune_vision_layers": True})  # Unsloth if installed, else HF + PEFT
+policy = load_model(MODEL, lora={"r": 16, "finetune_vision_layers": True})  # Unsloth where it can, else HF + PEFT
 engine = RolloutEngine(policy)              # KV cache: 30% of free GPU memory (EngineConfig sizes it)
 
 image = Image.new("RGB", (224, 224), "red")
