@@ -233,9 +233,9 @@ def test_server_quickstart_calls_the_tool_with_the_trainers_logprobs(python_quic
 
 
 def test_server_manual_examples_run(served, monkeypatch):
-    """docs/server.md's client examples run against the server, in order, as written (those that need an adapter
-    folder, a checkpoint or a TRL trainer are left out), and every HTTP call they make succeeds (the ``openai``
-    client raises on an error by itself; ``httpx`` calls are made to)."""
+    """docs/server.md's client examples (its "Routes" section) run against the server, in order, as written (those
+    that need an adapter folder, a checkpoint or a TRL trainer are left out), and every HTTP call they make succeeds
+    (the ``openai`` client raises on an error by itself; ``httpx`` calls are made to)."""
     import httpx
 
     def checked(call):
@@ -248,6 +248,7 @@ def test_server_manual_examples_run(served, monkeypatch):
     monkeypatch.setattr(httpx, "get", checked(httpx.get))
     monkeypatch.setattr(httpx, "post", checked(httpx.post))
     text = (ROOT / "docs" / "server.md").read_text()
+    text = text.split("\n## Routes, with a client example each\n", 1)[1].split("\n## ", 1)[0]
     blocks = [m.group(2) for m in FENCE.finditer(text) if m.group(1) == "python"]
     runnable = [b for b in blocks if "ckpt/" not in b and "GRPOConfig" not in b]
     assert blocks[0].startswith("import httpx") and 'B = "http://127.0.0.1:8000"' in blocks[0]
