@@ -28,6 +28,7 @@ from .guard import Guard
 from .routes_control import add_control_routes
 from .routes_info import add_info_routes
 from .routes_openai import add_openai_routes
+from .routes_sglang import add_sglang_routes
 from .routes_weights import add_weight_routes
 from .settings import ServerSettings
 from .state import ServerState
@@ -64,6 +65,7 @@ def create_app(engine, settings: ServerSettings | None = None, **fields) -> Fast
     add_info_routes(app, state)
     add_control_routes(app, state)
     add_weight_routes(app, state)
+    add_sglang_routes(app, state)
     return app
 
 
