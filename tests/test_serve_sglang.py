@@ -289,10 +289,25 @@ def test_remote_sglang_full_weight_update_from_disk(make_remote, server, model_d
     assert r.status_code == 400 and r.json()["success"] is False
     r = httpx.post(server + "/update_weights_from_disk", json={"model_path": model_dir, "weight_version": "v2"})
     assert r.status_code == 400 and "weight_version" in r.json()["message"]
-    r = httpx.post(server + "/update_weights_from_disk", json={"model_path": model_dir, "weight_version": "2"},
-                   timeout=120)
-    assert r.status_code == 200 and r.json()["success"] is True, r.text
-    assert httpx.get(server + "/get_model_info").json()["weight_version"] == "2"
+    # Without abort_all_requests a request in flight keeps its tokens and finishes on the new weights; with it
+    # (AReaL's), it returns its partial output at once.
+    for abort, version in ((False, "2"), (True, "3")):
+        got, body = {}, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: got.update(_generate(server, **body)))
+        start = metrics(server).get("vllm:iteration_tokens_total_count", 0)
+        t.start()
+        wait_for(lambda: metrics(server).get("vllm:iteration_tokens_total_count", 0) - start >= 3, timeout=60,
+                 what="a few decode steps", poll_s=0.01)
+        r = httpx.post(server + "/update_weights_from_disk", json={
+            "model_path": model_dir, "weight_version": version, "abort_all_requests": abort}, timeout=120)
+        assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 1, r.text
+        t.join(60)
+        finish = got["meta_info"]["finish_reason"]
+        if abort:
+            assert finish["type"] == "abort" and 0 < len(got["output_ids"]) < 300
+        else:
+            assert finish == {"type": "length", "length": 300} and got["meta_info"]["weight_version"] == "2"
+    assert httpx.get(server + "/get_model_info").json()["weight_version"] == "3"
     restored = asyncio.run(remote.agenerate(ModelRequest(input_ids=prompt, gconfig=g)))
     assert restored.output_tokens == before.output_tokens
     assert httpx.post(server + "/update_weight_version", json={"version": 0}).status_code == 200
@@ -373,7 +388,9 @@ def test_remote_sglang_vision_rlvr_rollout(make_remote, engine, policy):
         wf = VisionRLVRWorkflow(reward_fn=areal_reward, gconfig=GenerationHyperparameters(
             max_new_tokens=6, greedy=greedy, temperature=1.0), tokenizer=tok, processor=policy.processor,
             enable_thinking=False)
-        for traj, img in zip(remote.rollout_batch(data, workflow=wf), images):
+        trajectories = remote.rollout_batch(data, workflow=wf)
+        assert len(trajectories) == 2  # AReaL drops a failed episode: none may be missing
+        for traj, img in zip(trajectories, images):
             ((prompt, out, lps),) = list(_rows(traj))
             mm = traj["multi_modal_input"][0]
             vision = {"pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"]}
@@ -437,6 +454,9 @@ def test_generate_text_batch_n_stop_and_stream(server, engine, policy):
                                                                  "stop_token_ids": [first[2]]})
     assert stopped["output_ids"] == first[:3]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[2]}
+    # SGLang caps max_new_tokens at the room the context leaves: the answer ends with "length" there
+    capped = _generate(server, input_ids=[1] * (MAX_MODEL_LEN - 3), sampling_params={"max_new_tokens": 100})
+    assert capped["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
     body = {"input_ids": [2, 4, 6], "return_logprob": True, "stream": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}

@@ -51,8 +51,8 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
         "completion_tokens", "weight_version", "e2e_latency", "output_token_logprobs": [[logprob, id, text]],
         "input_token_logprobs", ...}}``; a list for a batch or ``n`` > 1; SSE chunks (each the output so far, then
         ``[DONE]``) when streaming.
-        Called by: AReaL's ``RemoteSGLangEngine`` (``SGLangBackend``: generation and ``compute_logp``), slime and
-        other SGLang clients.
+        Called by: AReaL's ``RemoteSGLangEngine`` (``SGLangBackend``: generation and ``compute_logp``) and other
+        SGLang clients.
 
         Example request::
 
@@ -110,7 +110,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
     async def get_model_info():
         """Returns: ``{"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
         "weight_version", "has_image_understanding", "model_type", "architectures"}``.
-        Called by: SGLang clients (slime, SGLang's RL docs)."""
+        Called by: SGLang clients."""
         config = getattr(engine.policy, "config", None)
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
                 "preferred_sampling_params": state.default_sampling or None,
@@ -121,7 +121,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         """Drop the prefix cache (KV that requests hold stays). Returns: text, 200. Called by: SGLang clients
-        (AReaL's SGLang server between weight versions, SGLang's RL docs)."""
+        between weight versions."""
         await asyncio.to_thread(engine.invalidate_prefix_cache)
         return PlainTextResponse("Cache flushed.\n")
 
@@ -149,7 +149,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest):
         """Abort requests by SGLang request id (``rid``, a prefix of it too) or all (``abort_all``); they return
-        their partial output with finish_reason ``{"type": "abort"}``. Returns: 200. Called by: slime."""
+        their partial output with finish_reason ``{"type": "abort"}``. Returns: 200. Called by: SGLang clients."""
         if req.abort_all:
             await asyncio.to_thread(engine.abort_all)
         elif req.rid:
@@ -183,7 +183,8 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
             except (TypeError, ValueError):
                 return _failure(f"weight_version must be an integer (the engine's versions are AReaL's), got "
                                 f"{req.weight_version!r}", num_paused_requests=0)
-        in_flight = engine.stats()["requests"]
+        stats = engine.stats()
+        in_flight = stats["num_running"] + stats["num_waiting"]  # sequences, as SGLang counts its requests
         mode = "abort" if req.abort_all_requests else "keep"
         try:
             n = await asyncio.to_thread(load_weights_from_disk, engine, req.model_path, mode)
