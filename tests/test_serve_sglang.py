@@ -72,8 +72,9 @@ def make_remote(server):
             remote.destroy()
 
 
-def areal_reward(prompt, completion, prompt_ids, completion_ids, **kwargs):
-    """Module-level: AReaL runs reward functions in a process pool."""
+def areal_reward(prompt=None, completion=None, prompt_ids=None, completion_ids=None, **kwargs):
+    """Module-level: AReaL runs reward functions in a process pool. RLVRWorkflow passes its arguments by position,
+    VisionRLVRWorkflow by keyword (``completions=``)."""
     return float(len(completion_ids))
 
 
@@ -185,13 +186,15 @@ def test_remote_sglang_pause_continue_resubmits_and_loses_nothing(make_remote, s
         wait_for(lambda: metrics(server).get("vllm:iteration_tokens_total_count", 0) - start >= 4, timeout=60,
                  what="a few decode steps", poll_s=0.01)
         remote.pause_generation()
-        assert httpx.get(server + "/is_paused").json()["is_paused"] is True
-        # AReaL resubmits the rest at once; the server holds it while paused.
-        wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 1 or not t.is_alive(), timeout=30,
-                 what="the resubmitted request to queue", poll_s=0.02)
-        resubmitted = t.is_alive()
-        remote.set_version(1)
-        remote.continue_generation()
+        try:
+            assert httpx.get(server + "/is_paused").json()["is_paused"] is True
+            # AReaL resubmits the rest at once; the server holds it while paused.
+            wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 1 or not t.is_alive(), timeout=30,
+                     what="the resubmitted request to queue", poll_s=0.02)
+            resubmitted = t.is_alive()
+            remote.set_version(1)
+        finally:  # a failure here must not leave the module's server paused
+            remote.continue_generation()
         t.join(120)
         resp = out["r"]
         if resubmitted:
@@ -213,10 +216,14 @@ def test_pause_generation_modes_and_queued_requests(server):
     got = {}
     t = threading.Thread(target=lambda: got.update(_generate(server, **body)))
     t.start()
-    wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 1, timeout=30, what="a queued request",
-             poll_s=0.02)
-    assert httpx.post(server + "/pause_generation", json={}).status_code == 200  # abort: the queued one returns
-    t.join(60)
+    try:
+        wait_for(lambda: metrics(server)["vllm:num_requests_waiting"] == 1, timeout=30, what="a queued request",
+                 poll_s=0.02)
+        assert httpx.post(server + "/pause_generation", json={}).status_code == 200  # abort: the queued one returns
+        t.join(60)
+    finally:  # a failure here must not leave the module's server paused
+        if t.is_alive():
+            httpx.post(server + "/continue_generation")
     assert got["output_ids"] == [] and got["meta_info"]["finish_reason"]["type"] == "abort"
     assert got["meta_info"]["finish_reason"]["message"].startswith("Abort before prefill")
     assert got["meta_info"]["output_token_logprobs"] == []

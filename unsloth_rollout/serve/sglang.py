@@ -279,9 +279,9 @@ async def generate_items(state: ServerState, req: GenerateRequest) -> tuple[list
             raise APIError(f"The input ({len(expanded)} tokens) is longer than the model's context length "
                            f"({engine.max_model_len} tokens).", param=prompt_where)
         max_new = sp["max_new_tokens"] if "max_new_tokens" in sp else SGLANG_MAX_NEW_TOKENS
-        # SGLang caps max_new_tokens at the room the context leaves (the answer then ends with "length").
-        options["max_new_tokens"] = room if max_new is None else \
-            min(max_new, room) if isinstance(max_new, int) and not isinstance(max_new, bool) else max_new
+        # More than the room the context leaves is SGLang's cap, not an error: the engine ends the sample at
+        # max_model_len with "length".
+        options["max_new_tokens"] = room if max_new is None else max_new
         if return_logprob:
             if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(expanded):
                 raise APIError(f"logprob_start_len ({start}) must be -1 or in [0, {len(expanded)}) (the number of "
