@@ -397,8 +397,9 @@ def test_remote_sglang_vision_rlvr_rollout(make_remote, engine, policy):
             enable_thinking=False)
         trajectories = remote.rollout_batch(data, workflow=wf)
         assert len(trajectories) == 2  # AReaL drops a failed episode: none may be missing
-        for traj, img in zip(trajectories, images):
+        for traj in trajectories:  # in the order they finished: each finds its image by its prompt
             ((prompt, out, lps),) = list(_rows(traj))
+            (img,) = [img for i, img in enumerate(images) if f"What is shape {i}?" in tok.decode(prompt)]
             mm = traj["multi_modal_input"][0]
             vision = {"pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"]}
             assert lps == pytest.approx(_oracle(policy, prompt, out, **vision), abs=LP_TOL)
@@ -488,6 +489,9 @@ def test_generate_text_batch_n_stop_and_stream(server, engine, policy):
     ({"input_ids": [1], "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
     ({"input_ids": [1], "sampling_params": {"n": 9}}, "sampling_params.n"),
     ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params[1].n"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"regex": "("}}, "sampling_params.regex"),
     ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
     ({"input_ids": [1], "input_embeds": [[0.0]]}, "input_embeds"),

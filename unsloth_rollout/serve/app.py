@@ -7,7 +7,7 @@ A training process can serve its live policy in-process::
     uvicorn.run(app, port=8000)          # or in a thread; every request batches on the same engine
 
 The app is a pipeline: the door (``guard``: API key, body limit, JSON), the routes (``routes_openai``,
-``routes_control``, ``routes_weights``, ``routes_info``), and for generation request -> ``prepare`` (a
+``routes_control``, ``routes_weights``, ``routes_info``, SGLang's native ones in ``routes_sglang``), and for generation request -> ``prepare`` (a
 ``GenerationRequest``; chat through ``prompt.chat_prompt``) -> engine -> ``render`` / ``streaming``. Errors follow
 OpenAI's schema with vLLM's status codes (``errors``). Every route, with what it takes, returns and which peer
 calls it: docs/server.md.

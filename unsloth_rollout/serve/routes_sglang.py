@@ -71,7 +71,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
                 stream = engine.stream_many(requests)
             except InvalidRequestError as e:
                 _forget(by_rid, items)
-                raise engine_refusal(e, items, single) from None
+                raise engine_refusal(e, items) from None
             return StreamingResponse(_events(state, items, stream, n), media_type="text/event-stream",
                                      background=BackgroundTask(_close, stream, by_rid, items))
         try:
@@ -79,7 +79,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
         except ClientDisconnected:
             return Response(status_code=499)
         except InvalidRequestError as e:
-            raise engine_refusal(e, items, single) from None
+            raise engine_refusal(e, items) from None
         finally:
             _forget(by_rid, items)
         bodies = []

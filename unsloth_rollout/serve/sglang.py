@@ -133,6 +133,7 @@ class Item:
     top_logprobs_num: int
     no_stop_trim: bool
     text_in_logprobs: bool
+    grammar_param: str | None  # the field the prompt's output constraint came from (sampling_params.regex ...)
 
 
 def refuse_unserved(req: GenerateRequest) -> None:
@@ -228,7 +229,12 @@ def _sampling_options(state: ServerState, sp: dict, where: str) -> tuple[dict, b
     return options, bool(sp.get("no_stop_trim"))
 
 
-def _engine_param(e: InvalidRequestError, sp_where: str, prompt_where: str, image_where: str) -> str:
+def _grammar_param(sp: dict, sp_where: str) -> str | None:
+    return next((f"{sp_where}.{name}" for name in _GRAMMARS if sp.get(name) is not None), None)
+
+
+def _engine_param(e: InvalidRequestError, sp_where: str, prompt_where: str, image_where: str,
+                  grammar_param: str | None = None) -> str:
     """The /generate field an engine refusal is about."""
     field = e.field or ""
     if field in ("input_ids", "messages"):
@@ -240,7 +246,7 @@ def _engine_param(e: InvalidRequestError, sp_where: str, prompt_where: str, imag
     if field == "lora_name":
         return "lora_path"
     if field.startswith("structured_outputs"):
-        return f"{sp_where}.json_schema"
+        return grammar_param or sp_where
     by_engine = {v: k for k, v in _SAMPLING.items()}
     return f"{sp_where}.{by_engine[field]}" if field in by_engine else field
 
@@ -262,7 +268,7 @@ async def generate_items(state: ServerState, req: GenerateRequest) -> tuple[list
         lora, lora_where = _per_prompt(req, "lora_path", k, count, single)
         rid, _ = _per_prompt(req, "rid", k, count, single)
         return_logprob = bool(_per_prompt(req, "return_logprob", k, count, single)[0])
-        start = _per_prompt(req, "logprob_start_len", k, count, single)[0]
+        start, start_where = _per_prompt(req, "logprob_start_len", k, count, single)
         start = -1 if start is None else start
         top = _per_prompt(req, "top_logprobs_num", k, count, single)[0] or 0
         if lora is not None and lora not in state.model_names and lora != state.model_path:
@@ -282,10 +288,13 @@ async def generate_items(state: ServerState, req: GenerateRequest) -> tuple[list
         # More than the room the context leaves is SGLang's cap, not an error: the engine ends the sample at
         # max_model_len with "length".
         options["max_new_tokens"] = room if max_new is None else max_new
+        if isinstance(max_new, int) and max_new < 0:
+            raise APIError(f"{sp_where}.max_new_tokens must be at least 0, got {max_new}",
+                           param=f"{sp_where}.max_new_tokens")
         if return_logprob:
             if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(expanded):
                 raise APIError(f"logprob_start_len ({start}) must be -1 or in [0, {len(expanded)}) (the number of "
-                               "input tokens)", param="logprob_start_len")
+                               "input tokens)", param=start_where)
             options["logprobs"] = top
             if start >= 0 and len(expanded) > 1:
                 options["prompt_logprobs"] = top  # the prompt's scores, from the prefill forward
@@ -295,21 +304,26 @@ async def generate_items(state: ServerState, req: GenerateRequest) -> tuple[list
             greq.sampling = sampling_from_options(options, state.default_sampling,
                                                   vocab_size=logits_width(engine.policy))
         except InvalidRequestError as e:
-            param = _engine_param(e, sp_where, prompt_where, image_where)
+            param = _engine_param(e, sp_where, prompt_where, image_where, _grammar_param(sp, sp_where))
             raise APIError(str(e).replace(e.field, param, 1), param=param) from None
         if not isinstance(rid, str) or not rid:
             rid = greq.request_id
         elif not single and not isinstance(req.rid, list):
             rid = f"{rid}-{k}"  # one rid for a batch: a prefix, as SGLang makes one id per prompt
+        if items and greq.sampling.n != items[0].request.sampling.n:  # SGLang's rule: the response layout needs it
+            raise APIError(f"{sp_where}.n must be the same for every prompt of a batch", param=f"{sp_where}.n")
         items.append(Item(greq, rid, return_logprob,
                           start if return_logprob else -1, top if return_logprob else 0, no_stop_trim,
-                          bool(req.return_text_in_logprobs)))
+                          bool(req.return_text_in_logprobs), _grammar_param(sp, sp_where)))
     return items, single
 
 
-def engine_refusal(e: InvalidRequestError, items: list[Item], single: bool) -> APIError:
-    """The engine refused a request at submission: a 400 naming the /generate field."""
-    param = _engine_param(e, "sampling_params", "input_ids", "image_data")
+def engine_refusal(e: InvalidRequestError, items: list[Item]) -> APIError:
+    """The engine refused one of ``items`` at submission: a 400 naming the /generate field (a grammar's own field
+    when one prompt has a grammar)."""
+    grammars = {it.grammar_param for it in items if it.grammar_param}
+    param = _engine_param(e, "sampling_params", "input_ids", "image_data",
+                          grammars.pop() if len(grammars) == 1 else None)
     return APIError(str(e).replace(e.field, param, 1) if e.field else str(e), param=param)
 
 
