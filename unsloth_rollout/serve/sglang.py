@@ -14,8 +14,8 @@ send what they already send. Where this server differs from SGLang, it is on pur
 
 Example::
 
-    items = await generate_items(state, GenerateRequest(input_ids=[1, 2, 3], return_logprob=True,
-                                                        sampling_params={"max_new_tokens": 8}))
+    items, single = await generate_items(state, GenerateRequest(input_ids=[1, 2, 3], return_logprob=True,
+                                                                sampling_params={"max_new_tokens": 8}))
     body = sglang_body(state, items[0], output)   # {"text", "output_ids", "meta_info": {...}}
 """
 
