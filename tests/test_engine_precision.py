@@ -80,11 +80,15 @@ def requests(policy) -> list[GenerationRequest]:
 
 
 def run(engine, reqs, via: str):
-    """Every request through ``generate`` (steps on this thread) or ``agenerate`` (the worker thread), each prompt
-    prefilled again (no prefix-cache hits from an earlier run)."""
+    """Every request through ``generate`` or ``submit`` + ``wait_for`` (both step on this thread) or ``agenerate``
+    (the worker thread steps), each prompt prefilled again (no prefix-cache hits from an earlier run)."""
     engine.invalidate_prefix_cache()
     if via == "generate":
         return engine.generate(reqs)
+    if via == "wait_for":
+        futures = [engine.submit(r) for r in reqs]
+        engine.wait_for(futures)
+        return [o for f in futures for o in f.result()]
 
     async def all_of():
         outs = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
@@ -116,6 +120,14 @@ def plain(policy, engine):
     return outs
 
 
+def test_engine_built_under_mixed_precision(engine):
+    """The probe and the compiled decode step's warm-up ran under the caller's autocast and accelerate's wrapper:
+    the step compiled (no fall-back to the eager step) and the wrapper is the model's forward no longer."""
+    stats = engine.stats()
+    assert stats["decode_backend_fallback"] is None, stats["decode_backend_fallback"]
+    assert "forward" not in vars(engine.policy.model)
+
+
 def assert_same(got, want):
     assert [o.output_ids for o in got] == [o.output_ids for o in want]
     for g, w in zip(got, want):
@@ -125,7 +137,7 @@ def assert_same(got, want):
     assert (torch.tensor(prompt_scores(got[-1])) - torch.tensor(prompt_scores(want[-1]))).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("via", ["generate", "agenerate"])
+@pytest.mark.parametrize("via", ["generate", "wait_for"])
 def test_callers_autocast_context(policy, engine, plain, via):
     """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` on the caller's thread: the same tokens, logprobs and
     prompt scores as with none; the caller's autocast is on again, with its dtype, when the call returns."""
@@ -134,7 +146,7 @@ def test_callers_autocast_context(policy, engine, plain, via):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert_same(outs, plain)
     assert all(o.error is None for o in outs)
-    assert engine.stats()["decode_recompiles"] == 0  # the compiled step's guards saw one autocast state
+    assert engine.stats().get("decode_recompiles", 0) == 0  # the compiled step's guards saw one autocast state
 
 
 @pytest.mark.parametrize("via", ["generate", "agenerate"])
@@ -149,6 +161,6 @@ def test_accelerate_mixed_precision_wrapper(policy, engine, plain, bf16_forward,
             trainer_logits = policy.model(input_ids=ids).logits[0, -len(plain[1].output_ids) - 1:-1]
     assert_same(outs, plain)
     assert all(o.error is None for o in outs)
-    assert engine.stats()["decode_recompiles"] == 0
+    assert engine.stats().get("decode_recompiles", 0) == 0
     _, fp32_logits = teacher_forced(policy, plain[1].prompt_ids, plain[1].output_ids)
     assert (trainer_logits.float() - fp32_logits).abs().max() > 1e-3  # the trainer's forward is bf16 autocast's
