@@ -21,7 +21,6 @@ from .constraints import GrammarCompiler
 from .inputs import InputPreparer
 from .kv_cache import KVCache, build_kv_cache
 from .output import OutputProcessor
-from .precision import model_precision
 from .prefix_cache import PrefixEntry, prefix_key
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -85,8 +84,7 @@ class EngineCore:
                                   config.shared_prefix_decode, config.cpu_attention_kernel,
                                   config.shared_prefix_min_tokens, config.decode_layers_per_call)
         self.runner.weights_clock = self.weights = WeightsClock()  # the captured step re-checks on a change
-        with policy.lock, model_precision(policy.model):  # the model's own dtype, under any trainer's autocast
-            self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
+        self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
         self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
@@ -108,10 +106,8 @@ class EngineCore:
         produced = 0
         computed = self.stats["prefill_tokens"] + self.stats["decode_tokens"]
         policy = self.policy
-        # The mode switch walks every module: only when a trainer left the policy in training mode. Every forward
-        # runs in the model's own dtype, whatever autocast the caller or a trainer's wrapper turned on (precision.py).
-        with (policy.lock, torch.inference_mode(), model_precision(policy.model),
-              policy.inference() if policy.model.training else nullcontext()):
+        # The mode switch walks every module: only when a trainer left the policy in training mode.
+        with policy.lock, torch.inference_mode(), (policy.inference() if policy.model.training else nullcontext()):
             self.weights.watch(policy.model)  # PEFT's switches (disable_adapter, ...) moved: a weight change
             version, stamp_of, changes = self.weights.state()
             self.apply_weight_changes(stamp_of, changes)

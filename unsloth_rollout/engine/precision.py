@@ -11,13 +11,14 @@ A trainer in mixed precision turns autocast on in two ways that reach the engine
 
 Under autocast an engine step is not the model's arithmetic: bf16 keys and values meet a float32 KV cache ("expected
 scalar type Float but found BFloat16"), a compiled step meets inputs of another dtype than it was traced with, and
-logprobs are a bf16 forward's instead of the model's. So ``model_precision`` turns autocast off on every device type
-for the engine's work and gives the caller its state back after; and for that time it runs each such wrapped
+logprobs are a bf16 forward's instead of the model's. So ``model_precision``, around each engine step
+(``StepDriver.step``) and the engine's construction (its probe and the compiled step's warm-up), turns autocast off
+on every device type and gives the caller its state back after; and for that time it runs each such wrapped
 ``forward`` as the function the wrapper's autocast decorator wraps (torch's decorator in the ``__wrapped__`` chain,
 as accelerate builds it), putting the wrapper back after. Wrappers are looked for on the modules outside the
-model's layer stacks (the wrappers, backbones and heads a trainer prepares: ~5-20 us a step). The trainer's own
-forwards keep their wrapper and their autocast: an engine step is the only forward running while it runs (the rule
-the runner's attention switch relies on too).
+model's layer stacks (the wrappers, backbones and heads a trainer prepares), a few dict lookups a step. The
+trainer's own forwards keep their wrapper and their autocast: the scope holds ``policy.lock``, under which an
+engine step is the only forward running (the rule the runner's attention switch relies on too).
 
 A wrapper that enters autocast in its own body, without torch's decorator, is not seen here; accelerate's, and any
 ``forward`` decorated with ``torch.autocast(...)``, are.
@@ -74,20 +75,21 @@ def autocast_wrappers(model: torch.nn.Module) -> list[tuple]:
 
 
 @contextlib.contextmanager
-def model_precision(model: torch.nn.Module):
-    """Run the block in ``model``'s own dtype: autocast off on every device type and ``model``'s autocast
-    wrappers set aside; both put back on exit. Hold the policy's lock (no other forward runs meanwhile).
+def model_precision(policy):
+    """Run the block holding ``policy.lock`` (no other forward runs meanwhile), in the model's own dtype: autocast
+    off on every device type and the model's autocast wrappers set aside; both put back on exit.
 
     Example::
 
-        with policy.lock, model_precision(policy.model):
+        with model_precision(policy):
             logits = policy.model(input_ids=ids).logits   # float32 for a float32 model, under any trainer
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(policy.lock)
         for device in AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
-        for module, wrapper, inner in autocast_wrappers(model):
+        for module, wrapper, inner in autocast_wrappers(policy.model):
             module.forward = inner
             stack.callback(setattr, module, "forward", wrapper)
         yield
