@@ -31,11 +31,10 @@ import inspect
 import types
 
 import torch
-from torch.amp.autocast_mode import is_autocast_available
 
 # Every device type with an autocast of its own (torch 2.13 lists these).
 AUTOCAST_DEVICES = tuple(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu",
-                                     "privateuseone") if is_autocast_available(d))
+                                     "privateuseone") if torch.amp.is_autocast_available(d))
 # The code of the function torch's autocast decorator returns (``autocast_decorator.<locals>.decorate_autocast``).
 _DECORATED = torch.autocast("cpu", enabled=False)(lambda: None).__code__
 _MAX_WRAPPERS = 32  # a __wrapped__ chain longer than this is not followed further
