@@ -326,9 +326,10 @@ def _grpo(model_dir, server, tmp_path, lr, **extra):
     from unsloth_rollout.trl.toy import grpo_config
 
     ds = Dataset.from_dict({"prompt": [f"count to {i}:" for i in range(12)]})
+    # a float32 trainer, as the server: TRL's recompute must equal the server's logprobs within 1e-5
     args = grpo_config(str(tmp_path), 3, lr=lr, num_generations=2, prompts_per_step=2, max_completion_length=8,
                        use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_group_port=free_port(),
-                       vllm_server_timeout=30)
+                       vllm_server_timeout=30, bf16=False)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=completion_length_reward, args=args, train_dataset=ds,
                           **extra)
     trainer.train()

@@ -94,8 +94,9 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     ds = Dataset.from_dict({"prompt": [m for m, _ in rows]})
     trainers = {}
     for name, rf in (("engine", rollout_func(engine)), ("trl-generate", None)):
+        # float32 trainers: TRL's generate runs in the trainer's precision, the engine in the model's own
         args = grpo_config(out_dir, 1, num_generations=group, prompts_per_step=prompts,
-                           max_completion_length=max_new_tokens, temperature=temperature, seed=seed)
+                           max_completion_length=max_new_tokens, temperature=temperature, seed=seed, bf16=False)
         trainers[name] = GRPOTrainer(model=policy.model, processing_class=policy.processor or policy.tokenizer,
                                      reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                                      train_dataset=ds, rollout_func=rf)

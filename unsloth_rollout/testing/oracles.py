@@ -2,7 +2,9 @@
 
 ``teacher_forced`` is the trainer's view of a completion: one plain HF forward over prompt + output
 (no engine, no KV cache), scored as ``log_softmax(logits / T)[token]`` in fp32: what AReaL's and
-TRL's trainers recompute. Vision inputs pass through as the model's processor made them.
+TRL's trainers recompute. Vision inputs pass through as the model's processor made them. It runs in the model's
+own dtype, whatever mixed precision a trainer set up: autocast off, and the model class's own ``forward`` (a
+trainer's wrapper of the instance's, such as accelerate's autocast wrapper, is not the model).
 ``processed_distribution`` is, from its definition, the distribution a token is drawn from (vLLM's
 ``processed_logprobs``), computed in float64 from such a forward's logits.
 """
@@ -60,16 +62,18 @@ def teacher_forced(policy, prompt_ids, output_ids, temperature: float = 1.0, **v
     if "image_grid_thw" in kw:  # Qwen-VL: M-RoPE image positions come from mm_token_type_ids
         kw.setdefault("mm_token_type_ids", mm_token_type_ids(ids, policy.config))
     kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    with policy.lock, torch.no_grad():
-        was_training = policy.model.training
-        policy.model.eval()
+    model = policy.model
+    with policy.lock, torch.no_grad(), torch.autocast(dev.type, enabled=False):
+        was_training = model.training
+        model.eval()
         policy.clear_rope_deltas()
         try:
-            logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw).logits
+            logits = type(model).forward(model, input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                                         **kw).logits
         finally:
             policy.clear_rope_deltas()
             if was_training:
-                policy.model.train()
+                model.train()
     n = len(prompt_ids)
     logits = logits[0, n - 1:-1].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
