@@ -192,8 +192,8 @@ class EngineConfig:
             Memory: the workspace holds the running rows' history a second
             time beside the pool, each row padded to the longest, within ``decode_workspace_bytes``. Rows that
             share a prompt's KV blocks (the samples of one GRPO prompt) hold the shared positions once, and
-            attention reads them once per step for all of them (the eager workspace only: CPU, full-attention
-            SDPA models; ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``,
+            attention reads them once per step for all of them (CPU, full-attention SDPA models: the eager
+            workspace, and the compiled step with the CPU kernel, see ``shared_prefix``; ``stats()["decode_shared_prefix"]``, ``["decode_prefix_entries"]``,
             ``["decode_prefix_steps"]``; a sample that decoded alone before its group's others arrived is moved to
             the shared layout when they join: ``["decode_prefix_rehomed"]``).
             "static" (engine/decode_static.py): the workspace rows read by one compiled decode step (dynamic
