@@ -42,6 +42,9 @@ def bf16_forward(policy):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    # A trainer run earlier in this process (TRL's tests) leaves accelerate's process-wide state set to its own
+    # precision, which accelerate refuses to change; start from a fresh state as a new training process does.
+    AcceleratorState._reset_state(reset_partial_state=True)
     Accelerator(cpu=True, mixed_precision="bf16").prepare_model(policy.model)
     wrapper = policy.model.forward
     del policy.model.forward

@@ -7,6 +7,7 @@ rewritten from vLLM's source in a separate process: ``StatelessProcessGroup.crea
 unique id, a ctypes ``ncclUniqueId`` pickled under vLLM's own module path (a stub of that one module here).
 """
 
+import ctypes
 import os
 import pickle
 import subprocess
@@ -14,7 +15,8 @@ import sys
 
 import pytest
 
-from unsloth_rollout.models.nccl_wire import join_store, load_unique_id, receive_unique_id
+from unsloth_rollout.models.nccl_wire import (NcclUniqueId, UniqueIdError, dump_unique_id, join_store, load_unique_id,
+                                             receive_unique_id)
 from unsloth_rollout.testing.server import free_port
 
 # vllm/distributed/device_communicators/pynccl_wrapper.py: the class the unique id is pickled as.
@@ -93,11 +95,28 @@ def test_a_store_value_that_is_not_a_unique_id_is_refused_and_never_run(tmp_path
     """The id comes from a store any host that reaches the port can write: only ctypes' reconstructor and the
     ``ncclUniqueId`` class are resolved, so a pickled call is refused by name, not made."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
-        load_unique_id(pickle.dumps(_Call()))
+    for protocol in range(3, pickle.HIGHEST_PROTOCOL + 1):  # bytes pickle as bytes from protocol 3 on
+        with pytest.raises(UniqueIdError, match="posix.system|os.system"):
+            load_unique_id(pickle.dumps(_Call(), protocol=protocol))
+        with pytest.raises(UniqueIdError, match="expected an ncclUniqueId"):
+            load_unique_id(pickle.dumps(b"\x00" * 128, protocol=protocol))
     assert not (tmp_path / "should-not-exist").exists()
-    with pytest.raises(pickle.UnpicklingError, match="expected an ncclUniqueId"):
-        load_unique_id(pickle.dumps(b"\x00" * 128))
+    with pytest.raises(UniqueIdError, match="no readable pickle"):
+        load_unique_id(b"\x80\x04not a pickle")
+
+
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+def test_the_unique_id_reads_as_pickle_writes_it(protocol):
+    """The id parser against the pickle module itself, both ways: every protocol vLLM's ``broadcast_obj`` may use
+    reads back as the same 128 bytes, and the hand-written stream ``publish_unique_id`` stores unpickles (as vLLM's
+    worker reads it) to the same id."""
+    uid = os.urandom(128)
+    obj = NcclUniqueId()
+    ctypes.memmove(ctypes.addressof(obj), uid, 128)
+    assert load_unique_id(pickle.dumps(obj, protocol=protocol)) == uid
+    back = pickle.loads(dump_unique_id(uid))
+    assert isinstance(back, NcclUniqueId) and bytes(back.internal) == uid
+    assert load_unique_id(dump_unique_id(uid)) == uid
 
 
 def test_our_trainer_end_meets_the_worker_end_as_vllms_does():

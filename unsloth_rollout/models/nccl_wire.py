@@ -15,8 +15,8 @@ meets its workers in a ``StatelessProcessGroup`` (``vllm/distributed/utils.py``)
    vLLM's ``packed_tensor.py``), or one by one in each tensor's dtype.
 
 ``NcclTransferGroup.join`` is the worker's end of 1-3 over libnccl through ctypes (the library torch's CUDA build
-loads), and ``broadcast`` is 4 on the caller's current stream. The unique id is unpickled with nothing allowed but
-ctypes' reconstructor and a stand-in for that one class: a store value is never run as code. ``NcclTransferGroup.host``
+loads), and ``broadcast`` is 4 on the caller's current stream. The unique id is never unpickled: its opcodes are
+parsed and must spell ctypes' reconstructor, that one class and its 128 bytes, so a store value is never run as code. ``NcclTransferGroup.host``
 is the trainer's end (vLLM's ``trainer_init``), for a trainer without vLLM installed (the GPU check).
 
 Example::
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import io
 import os
-import pickle
 import socket
 import time
 
@@ -60,29 +58,67 @@ def _nccl_dtypes() -> dict:
     return table
 
 
-class _UniqueIdUnpickler(pickle.Unpickler):
-    """Loads a pickled ``ncclUniqueId`` and nothing else: ctypes' reconstructor and the id's class (vLLM's, SGLang's
-    or ours, by name) are the only globals it resolves."""
+class UniqueIdError(ValueError):
+    """A value under the trainer's unique-id key that is not a pickled ``ncclUniqueId``."""
 
-    def find_class(self, module, name):
-        if (module, name) == ("_ctypes", "_unpickle"):
-            import _ctypes
 
-            return _ctypes._unpickle
-        if name == "ncclUniqueId" and module.rsplit(".", 1)[-1] == "pynccl_wrapper" or \
-                (module, name) == (__name__, "NcclUniqueId"):
-            return NcclUniqueId
-        raise pickle.UnpicklingError(f"the NCCL unique id in the trainer's store names {module}.{name}; only "
-                                     f"a ctypes ncclUniqueId is accepted")
+# Opcodes a pickled ncclUniqueId is made of (protocols 3-5: Python's default is 4 or 5): the two globals, an empty dict, the id's bytes, the
+# tuples around them, one REDUCE, and the framing / memo bookkeeping. Anything else is refused before it is read.
+_ID_OPCODES = {"PROTO", "FRAME", "GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE", "MEMOIZE", "BINPUT",
+               "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET", "EMPTY_DICT", "SHORT_BINBYTES", "BINBYTES",
+               "MARK", "TUPLE", "TUPLE2", "REDUCE", "STOP"}
+_ID_CLASSES = ("ncclUniqueId", "NcclUniqueId")
 
 
 def load_unique_id(data: bytes) -> bytes:
     """The 128 id bytes of a pickled ``ncclUniqueId`` (as vLLM's ``broadcast_obj`` stores it); raises
-    ``pickle.UnpicklingError`` for anything else."""
-    uid = _UniqueIdUnpickler(io.BytesIO(data)).load()
-    if not isinstance(uid, NcclUniqueId):
-        raise pickle.UnpicklingError(f"expected an ncclUniqueId in the trainer's store, got {type(uid).__name__}")
-    return bytes(uid.internal)
+    ``UniqueIdError`` for anything else.
+
+    The value comes from a store any host that reaches the port can write, so it is never unpickled: its opcodes are
+    read with ``pickletools.genops`` (a parser that runs nothing) and the stream must be ctypes' reconstructor
+    (``_ctypes._unpickle``) applied to an ``ncclUniqueId`` class (vLLM's, SGLang's or ours, by name) and its 128
+    bytes."""
+    import pickletools
+
+    globals_, strings, payload = [], [], []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name not in _ID_OPCODES:
+                raise UniqueIdError(f"the trainer's store holds a pickle with {op.name}; expected an ncclUniqueId")
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE"):
+                strings.append(arg)
+            elif op.name in ("GLOBAL", "STACK_GLOBAL"):
+                if op.name == "STACK_GLOBAL" and len(strings) < 2:
+                    raise UniqueIdError("the trainer's store holds a malformed pickle")
+                module, name = arg.split(" ", 1) if op.name == "GLOBAL" else strings[-2:]
+                if (module, name) != ("_ctypes", "_unpickle") and not _is_id_class(module, name):
+                    raise UniqueIdError(f"the NCCL unique id in the trainer's store names {module}.{name}; only a "
+                                        f"ctypes ncclUniqueId is accepted")
+                globals_.append((module, name))
+            elif op.name in ("SHORT_BINBYTES", "BINBYTES"):
+                payload.append(arg)
+    except (ValueError, EOFError) as exc:  # genops' own complaints about a truncated or unknown stream
+        if isinstance(exc, UniqueIdError):
+            raise
+        raise UniqueIdError(f"the trainer's store holds no readable pickle: {exc}") from None
+    if len(globals_) != 2 or not _is_id_class(*globals_[1]) or len(payload) != 1 or len(payload[0]) != 128:
+        raise UniqueIdError("expected an ncclUniqueId (ctypes' reconstructor, the class and 128 bytes) in the "
+                            "trainer's store")
+    return bytes(payload[0])
+
+
+def _is_id_class(module: str, name: str) -> bool:
+    return name in _ID_CLASSES and (module.rsplit(".", 1)[-1] == "pynccl_wrapper" or module == __name__)
+
+
+def dump_unique_id(uid: bytes, module: str = __name__) -> bytes:
+    """``pickle.dumps`` of an ``ncclUniqueId`` of class ``module.NcclUniqueId``, written opcode by opcode (protocol
+    3): what ``load_unique_id`` and ``pickle.loads`` read back as the same 128 bytes."""
+    uid = bytes(uid)
+    if len(uid) != 128:
+        raise ValueError(f"an NCCL unique id is 128 bytes, got {len(uid)}")
+    return (b"\x80\x03" + b"c_ctypes\n_unpickle\n" + b"c" + module.encode() + b"\nNcclUniqueId\n"
+            + b"}" + b"C\x80" + uid + b"\x86" + b"\x86" + b"R" + b".")
 
 
 def join_store(master_address: str, master_port: int, world_size: int, timeout_s: float):
@@ -108,7 +144,7 @@ def host_store(master_address: str, master_port: int, world_size: int, timeout_s
 
 def publish_unique_id(store, uid: NcclUniqueId) -> None:
     """Rank 0's ``broadcast_obj`` of its NCCL unique id: pickled, under the key workers read."""
-    store.set(UNIQUE_ID_KEY, pickle.dumps(uid))
+    store.set(UNIQUE_ID_KEY, dump_unique_id(bytes(uid.internal) if isinstance(uid, NcclUniqueId) else uid))
 
 
 def receive_unique_id(store) -> bytes:
