@@ -8,7 +8,9 @@ costs: it records one real layer call of a static decode step (``--layers``-deep
 non-strict, batch / key length / workspace dims dynamic), compiles it with ``aoti_compile_and_package``, and
 times, on the same inputs under ``torch.inference_mode``: the dynamo region call and the package call. It checks
 that the package writes the new token's K/V into the pool and workspace in place (slots zeroed first) and that
-its output matches the eager layer. Not part of the engine (see the closing note of issue 24):
+its output matches the eager layer. Not part of the engine: the package saves ~80 us of a layer's ~500 us call
+(~3 ms of a 45 ms step at 36 layers, 2 Intel Xeon cores; ``benchmarks/cpu/aoti_layer_probe.json``), for an
+export and a 10-50 s compile per layer shape.
 
     PYTHONPATH=$PWD python benchmarks/aoti_layer_probe.py --layers 36 --batch 64 --context 256
 """

@@ -1,7 +1,7 @@
 """Probe: a hand-written CPU decode attention that reads the paged pool in place, against SDPA on the workspace.
 
-The issue asks for decode attention that reads each row's history from the paged pool inside the kernel (block
-table + lengths). This probe is that kernel for CPU, in C++ with ATen's vector types, compiled by inductor's
+Decode attention could read each row's history from the paged pool inside the kernel (block table + lengths),
+with no per-row copy. This probe is that kernel for CPU, in C++ with ATen's vector types, compiled by inductor's
 toolchain (``CppCodeCache``, the flags and ISA inductor uses for its own kernels) and called through ctypes:
 per (row, KV head), the keys of each block are transposed 16 at a time so the query heads that share the KV
 head get 16 scores per broadcast multiply-add, an exact softmax over the real positions, then every value row

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from unsloth_rollout.testing.oracles import teacher_forced
+from unsloth_rollout.testing.scripted import ForcedOutput  # noqa: F401  (the test_areal_* files import it from here)
 
 IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -38,41 +39,3 @@ def vlm_item(policy, i: int) -> dict:
     text = policy.tokenizer.apply_chat_template([{"role": "user", "content": IMAGE_TOKEN + f"What is shape {i}?"}],
                                                 tokenize=False, add_generation_prompt=True)
     return {"messages": text, "images": [random_image(100 + i)]}
-
-
-class ForcedOutput:
-    """A fixed-output double at the sampler level: every sequence emits ``ids`` then EOS.
-
-    It wraps the engine's real Sampler: the sampler runs as usual, then each row's token is replaced by
-    the scripted one (by the row's output position) and its logprob by the model's own
-    ``log_softmax(logits / T)`` of that token, so everything past the sampler (stop checks,
-    detokenization, logprobs, versions, the server and ArealOpenAI) runs unchanged, as if the model had
-    sampled the script. Use as a context manager.
-    """
-
-    def __init__(self, rollout_engine, ids):
-        """``ids``: the token ids to emit, or ``ids(seq) -> token ids`` choosing per sequence (by its prompt)."""
-        self.engine = rollout_engine
-        self.inner = rollout_engine.core.sampler
-        self.script = ids if callable(ids) else (lambda seq, ids=list(ids): ids)
-        eos = rollout_engine.tokenizer.eos_token_id  # the chat turn's end (<|im_end|>), as a chat model ends
-        self.eos = eos if eos is not None else rollout_engine.eos_ids[0]
-
-    def __call__(self, logits, seqs):
-        res = self.inner(logits, seqs)
-        temps = torch.tensor([s.sampling.logprob_temperature for s in seqs], device=logits.device).unsqueeze(1)
-        raw = torch.log_softmax(logits.float() / temps, dim=-1)
-        for i, s in enumerate(seqs):
-            n = len(s.output_ids)
-            ids = self.script(s)
-            t = ids[n] if n < len(ids) else self.eos
-            res.tokens[i] = t
-            res.logprobs[i] = float(raw[i, t])
-        return res
-
-    def __enter__(self):
-        self.engine.core.sampler = self  # the core samples each step
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.core.sampler = self.inner

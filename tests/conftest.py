@@ -72,3 +72,16 @@ def qwen2_lora_policy(qwen2_dir):
     p = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
     perturb_lora(p.model, std=0.3)
     return p
+
+
+_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test starts on the process's own torch thread count, whatever an earlier test set (a test driving a
+    bench or a trainer in-process may call ``torch.set_num_threads``). fp32 reductions split by thread count, so a
+    leaked count would make a later parity test's result depend on the order the tests ran in."""
+    if torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
+    yield

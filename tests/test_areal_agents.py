@@ -1,4 +1,4 @@
-"""Tool-calling VLM agents on the unsloth backend (issue 13), on the tiny Qwen2.5-VL, CPU, offline.
+"""Tool-calling VLM agents on the unsloth backend, on the tiny Qwen2.5-VL, CPU, offline.
 
 - ArealOpenAI (areal 1.0.4, no sglang / vllm) returns parsed tool_calls for Hermes/Qwen and Llama-3 JSON
   output, identical to what the project's server returns for the same model text;

@@ -3,6 +3,7 @@ LoRA-only optimization (vision LoRA included), and zero-transfer weight updates 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -19,6 +20,7 @@ from areal.workflow import RLVRWorkflow  # noqa: E402
 from areal.workflow.vision_rlvr import VisionRLVRWorkflow  # noqa: E402
 
 from unsloth_rollout import load_model  # noqa: E402
+from unsloth_rollout.testing.oracles import perturb_lora  # noqa: E402
 from unsloth_rollout.areal import ColocatedTrainEngine, UnslothInferenceEngine, UnslothPPOActor  # noqa: E402
 from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
@@ -68,14 +70,19 @@ def _data(policy, n=2):
             for i in range(n)]
 
 
-def _max_logprob_gap(batch, logps) -> float:
-    gap = 0.0
+def _logprob_gaps(batch, logps) -> torch.Tensor:
+    """|trainer recompute - behaviour logprob| of every generated token."""
+    gaps = []
     for traj, lp in zip(batch, logps):
         behave = torch.roll(traj["logprobs"], -1, -1)
         mask = torch.roll(traj["loss_mask"], -1, -1).bool()
         assert lp.shape == traj["input_ids"].shape
-        gap = max(gap, (lp - behave)[mask].abs().max().item())
-    return gap
+        gaps.append((lp - behave)[mask].abs().float())
+    return torch.cat(gaps)
+
+
+def _max_logprob_gap(batch, logps) -> float:
+    return _logprob_gaps(batch, logps).max().item()
 
 
 @pytest.fixture(scope="module")
@@ -271,5 +278,49 @@ def test_process_memory_does_not_grow_by_a_model_copy():
         assert ptrs == [p.data_ptr() for p in policy.model.parameters()]
         assert grown < model_bytes // 2, (f"RSS grew by {grown / 2**20:.1f} MiB; "
                                           f"the model is {model_bytes / 2**20:.1f} MiB")
+    finally:
+        rollout.destroy()
+
+
+# bf16 keeps 8 bits of mantissa: the engine's kernels and the trainer's plain forward round differently (the bounds
+# tests/test_gpu.py holds bf16 to, and why).
+BF16_TOL, BF16_MEAN_TOL = 0.1, 0.02
+
+
+def test_colocated_path_under_areals_default_precision():
+    """AReaL's TrainEngineConfig computes in bf16 by default (``dtype="bfloat16"``): the actor loads the model in
+    bf16 (LoRA weights stay float32, as PEFT keeps them) and the colocated engine samples from that same model, with
+    no autocast anywhere. Behaviour logprobs equal the trainer's recompute within bf16 rounding, a PPO step's weights
+    reach the next rollout, and a model with another adapter is far outside that tolerance."""
+    default = {f.name: f.default for f in dataclasses.fields(PPOActorConfig)}["dtype"]
+    assert default == "bfloat16"
+    actor = UnslothPPOActor(_actor_config(dtype=default, path=str(tiny_model_path("qwen2")), use_lora=True,
+                                          lora_rank=8, lora_alpha=16), load_options={"backend": "transformers"})
+    actor.initialize(ft_spec=FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=4))
+    policy = actor.policy
+    assert policy.dtype == torch.bfloat16
+    rollout = UnslothInferenceEngine(InferenceEngineConfig(backend="unsloth:d1", consumer_batch_size=4,
+                                                           max_head_offpolicyness=int(1e10)),
+                                     policy, kv_cache_memory_bytes=16 << 20, max_model_len=512, seed=0)
+    rollout.initialize()
+    actor.connect_engine(rollout, WeightUpdateMeta(type="disk"))
+    try:
+        batch = rollout.rollout_batch(_data(policy, 3), workflow=_workflow(policy), group_size=2)
+        logps = actor.compute_logp(batch)
+        gaps = _logprob_gaps(batch, logps)
+        assert gaps.max() <= BF16_TOL and gaps.mean() <= BF16_MEAN_TOL, (gaps.max(), gaps.mean())
+        for traj, lp in zip(batch, logps):
+            traj["prox_logp"] = lp
+        actor.ppo_update(actor.compute_advantages(batch))
+        actor.step_lr_scheduler()
+        actor.update_weights(WeightUpdateMeta(type="disk", version=1))
+        actor.set_version(1)
+        rollout.set_version(1)
+        batch2 = rollout.rollout_batch(_data(policy, 3), workflow=_workflow(policy), group_size=2)
+        assert all(int(t["versions"].max()) == 1 for t in batch2)
+        gaps = _logprob_gaps(batch2, actor.compute_logp(batch2))
+        assert gaps.max() <= BF16_TOL and gaps.mean() <= BF16_MEAN_TOL, (gaps.max(), gaps.mean())
+        perturb_lora(policy.model, std=0.2, seed=1)
+        assert _logprob_gaps(batch2, actor.compute_logp(batch2)).mean() > 5 * BF16_MEAN_TOL
     finally:
         rollout.destroy()

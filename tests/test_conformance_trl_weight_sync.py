@@ -1,16 +1,22 @@
 """TRL 1.16's ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` against the real ``unsloth-rollout serve`` started
-with ``--weight-transfer-config '{"backend": "gloo"}'``: full weights (PEFT: the merged adapter) follow the trainer.
+as TRL's ``trl vllm-serve`` starts vLLM (``--logprobs-mode processed_logprobs --max-logprobs -1``), with
+``--weight-transfer-config '{"backend": "gloo"}'``: full weights (PEFT: the merged adapter) follow the trainer, and
+the logprobs TRL receives are those of the distribution each token was drawn from.
 
 Reproduces TRL's tests of its vLLM client weight sync (tests/test_vllm_client_server.py: ``init_communicator``,
 ``update_model_params``, ``update_named_param``, ``reset_prefix_cache``) and of server-mode GRPO training
 (tests/test_grpo_trainer.py's ``vllm_mode="server"`` runs), rewritten for a tiny random model on CPU. TRL's trainer
 side refuses a non-CUDA device and a machine without vLLM; ``unsloth_rollout.testing.trl_cpu
 .allow_grpo_server_mode_on_cpu`` lifts the two install checks and gives TRL's client the gloo end of the wire,
-nothing else. Oracles: TRL's own recomputed logprobs (``sampling/sampling_logp_difference/max``), HF ``generate()``
-on the trainer's model, a forward of the trainer's model for prompt logprobs.
+nothing else (the NCCL wire, which TRL's client speaks on CUDA: tests/test_weight_transfer_nccl_wire.py and
+benchmarks/gpu/weight_transfer_check.py). Oracles: TRL's own recomputed logprobs
+(``sampling/sampling_logp_difference/max``), HF ``generate()`` on the trainer's model, a forward of the trainer's
+model for prompt logprobs, and the sampling distribution computed from its definition over that forward's logits
+(``testing.oracles.processed_distribution``).
 """
 
 import json
+import logging
 import os
 
 import pytest
@@ -39,7 +45,8 @@ def model_dir():
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("trl_sync_server") / "server.log"
     with serve_subprocess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                          "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 120}', log_path=log) as base:
+                          "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 120}',
+                          "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", log_path=log) as base:
         yield base
 
 
@@ -87,24 +94,97 @@ def _hf_greedy(model, prompt, n=12):
     return out[0, len(prompt):].tolist()
 
 
-def test_server_info_reports_the_gloo_transfer_and_nccl_is_refused_by_name():
-    """``/server_info``'s ``weight_transfer_config`` is what the server runs (gloo); vLLM's NCCL engine, which this
-    server does not implement, is refused at start naming the alternatives, never accepted and left idle."""
+def test_transfer_config_is_vllms_and_nccl_needs_the_model_on_cuda(model_dir):
+    """``--weight-transfer-config`` reads vLLM's ``{"backend": ...}`` (default ``"nccl"``, as vLLM); NCCL moves
+    weights between CUDA devices, so on a model served from the CPU it stops the server at start naming gloo,
+    never accepted and left to hang a trainer."""
+    import argparse
+
     from unsloth_rollout.serve.cli import add_serve_arguments, build_app
     from unsloth_rollout.serve.weight_transfer import parse_weight_transfer_config
 
     assert parse_weight_transfer_config('{"backend": "gloo"}') == {"backend": "gloo", "timeout_s": 600.0}
+    assert parse_weight_transfer_config("{}") == {"backend": "nccl", "timeout_s": 600.0}
     assert parse_weight_transfer_config(None) is None
-    with pytest.raises(ValueError, match="NCCL weight-transfer engine is not implemented.*gloo"):
-        parse_weight_transfer_config('{"backend": "nccl"}')
     with pytest.raises(ValueError, match="unknown key"):
         parse_weight_transfer_config({"backend": "gloo", "packed": True})
-    import argparse
+    with pytest.raises(ValueError, match="backend must be 'nccl'.*or 'gloo'"):
+        parse_weight_transfer_config({"backend": "ipc"})
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit, match="weight-transfer-config.*got 'ipc'"):  # before the model loads
+        build_app(parser.parse_args(["/nonexistent", "--weight-transfer-config", '{"backend": "ipc"}']))
+    args = parser.parse_args([model_dir, "--model-backend", "transformers", "--device", "cpu",
+                              "--weight-transfer-config", '{"backend": "nccl"}'])
+    with pytest.raises(SystemExit, match="weight-transfer-config.*'nccl'.*on cpu.*gloo"):
+        build_app(args)
 
-    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
-        ["/nonexistent", "--weight-transfer-config", '{"backend": "nccl"}'])
-    with pytest.raises(SystemExit, match="weight-transfer-config.*nccl"):
-        build_app(args)  # refused before the model is loaded
+
+def test_trl_client_finds_the_transfer_config_then_refuses_cpu_itself(server):
+    """TRL's ``init_communicator`` as TRL ships it (only vLLM's ``get_ip`` supplied and the install check lifted,
+    vLLM not being installed): it reads ``weight_transfer_config`` from ``/server_info``, finds it (on a server
+    without it, the same call stops at "has no weight-transfer engine", tests/test_conformance_trl.py), and goes on
+    until TRL's own device check refuses the CPU, before any rendezvous."""
+    import trl.generation.vllm_client as mod
+
+    from unsloth_rollout.testing.trl_cpu import vllm_get_ip
+
+    trl_own = mod.VLLMClient.init_communicator
+    assert trl_own.__module__ == mod.__name__, "runs before this module's gloo shim replaces init_communicator"
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(mod, "is_vllm_available", lambda *a, **k: True)
+        mp.setattr(mod, "get_ip", vllm_get_ip, raising=False)
+        client = mod.VLLMClient(base_url=server, group_port=free_port(), connection_timeout=30)
+        assert client.get_server_info()["weight_transfer_config"]["backend"] == "gloo"
+        with pytest.raises(NotImplementedError, match="needs a CUDA device, got 'cpu'"):
+            trl_own(client, device="cpu")
+        assert client.communicator is None
+    finally:
+        mp.undo()
+
+
+def test_trl_generate_returns_the_logprobs_of_the_distribution_it_sampled(server, model_dir):
+    """TRL's ``VLLMClient.generate`` with every sampling knob TRL passes (``repetition_penalty``, ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``; frequency and presence penalties through ``generation_kwargs``) on a server in
+    ``processed_logprobs`` mode, which ``/server_info`` reports where ``GRPOTrainer`` reads it: each token's logprob
+    is that of the distribution it was drawn from, recomputed from a teacher-forced forward; the raw
+    ``log_softmax(logits / T)`` is more than 1e-2 away for these settings (a check that can fail)."""
+    import trl.generation.vllm_client as mod
+    from transformers import AutoModelForCausalLM
+
+    from unsloth_rollout.testing.oracles import processed_distribution
+
+    info = httpx.get(server + "/server_info").json()["vllm_config"]
+    assert info["model_config"]["logprobs_mode"] == "processed_logprobs"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mod, "is_vllm_available", lambda *a, **k: True)
+    try:
+        client = mod.VLLMClient(base_url=server, connection_timeout=30)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        knob_sets = [dict(repetition_penalty=1.05, top_p=0.9, temperature=0.7),
+                     dict(repetition_penalty=1.2, top_k=12, min_p=0.02, temperature=1.3,
+                          generation_kwargs={"frequency_penalty": 0.4, "presence_penalty": 0.3})]
+        for knobs in knob_sets:
+            extra = knobs.pop("generation_kwargs", {})
+            prompts = [[5, 6, 7, 8, 5, 6], [40, 41, 40, 41]]
+            out = client.generate(prompts, n=2, max_tokens=10, logprobs=0, **knobs,
+                                  generation_kwargs={"seed": 3, "ignore_eos": True, **extra})
+            raw_gap = 0.0
+            for k, (ids, lps) in enumerate(zip(out["completion_ids"], out["logprobs"])):
+                prompt = prompts[k // 2]
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+                for i, tok in enumerate(ids):
+                    want = processed_distribution(logits[i], prompt + ids[:i], ids[:i], **knobs, **extra)[tok]
+                    assert abs(lps[i][0] - float(want)) <= TOL, (knobs, k, i)
+                    raw = torch.log_softmax(logits[i] / knobs["temperature"], -1)[tok]
+                    raw_gap = max(raw_gap, abs(float(want) - float(raw)))
+            assert raw_gap > 1e-2, (knobs, raw_gap)
+        # --max-logprobs -1 (TRL's command line): no cap on prompt_logprobs (TRL's distillation asks 100).
+        scored = client.get_sequence_logprobs([[3, 4, 5, 6, 7]], [2], top_logprobs=40)
+        assert len(scored["logprobs"][0]) == 3 and len(scored["logprobs"][0][0]) == 40
+    finally:
+        mp.undo()
 
 
 def test_init_info_that_cannot_be_served_is_a_400_naming_the_field(server):
@@ -117,7 +197,8 @@ def test_init_info_that_cannot_be_served_is_a_400_naming_the_field(server):
     vllm_nccl = {k: v for k, v in good.items() if k != "backend"} | {"packed": True}
     for body, param in (({}, "init_info"), ({"init_info": {**good, "world_size": 3}}, "init_info.world_size"),
                         ({"init_info": {**good, "master_port": "x"}}, "init_info.master_port"),
-                        ({"init_info": vllm_nccl}, "init_info.backend")):
+                        ({"init_info": vllm_nccl}, "init_info.backend"),
+                        ({"init_info": {**good, "backend": "nccl"}}, "init_info.backend")):
         r = httpx.post(server + "/init_weight_transfer_engine", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -245,9 +326,10 @@ def _grpo(model_dir, server, tmp_path, lr, **extra):
     from unsloth_rollout.trl.toy import grpo_config
 
     ds = Dataset.from_dict({"prompt": [f"count to {i}:" for i in range(12)]})
+    # a float32 trainer, as the server: TRL's recompute must equal the server's logprobs within 1e-5
     args = grpo_config(str(tmp_path), 3, lr=lr, num_generations=2, prompts_per_step=2, max_completion_length=8,
                        use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_group_port=free_port(),
-                       vllm_server_timeout=30)
+                       vllm_server_timeout=30, bf16=False)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=completion_length_reward, args=args, train_dataset=ds,
                           **extra)
     trainer.train()
@@ -255,9 +337,10 @@ def _grpo(model_dir, server, tmp_path, lr, **extra):
 
 
 def _check_followed(trainer, server, model_dir, start_version):
-    """Every step's samples came from the weights TRL recomputes with (1e-5, raw logprobs); after TRL's sync of the
-    last optimizer step (the one its next generation would do) the server computes what the trainer's model computes
-    (greedy tokens, prompt logprobs), and that model moved."""
+    """Every step's samples came from the weights TRL recomputes with (1e-5: at these settings, T = 1 and no
+    filter, the sampling distribution is the softmax TRL recomputes); after TRL's sync of the last optimizer step
+    (the one its next generation would do) the server computes what the trainer's model computes (greedy tokens,
+    prompt logprobs), and that model moved."""
     from transformers import AutoModelForCausalLM
 
     diffs = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history
@@ -274,11 +357,14 @@ def _check_followed(trainer, server, model_dir, start_version):
 
 
 @pytest.mark.timeout(600)
-def test_grpo_server_mode_full_fine_tune_weights_follow_the_trainer(server, gloo_trl, model_dir, tmp_path):
+def test_grpo_server_mode_full_fine_tune_weights_follow_the_trainer(server, gloo_trl, model_dir, tmp_path, caplog):
     """GRPOTrainer(vllm_mode="server") on the full model: 3 steps, each after TRL's sync (update_named_params of
-    every parameter, packed, then reset_prefix_cache)."""
+    every parameter, packed, then reset_prefix_cache). TRL reads the server's logprobs mode at start and does not
+    warn that it biases the importance-sampling correction."""
     version = httpx.get(server + "/get_weight_version").json()["weight_version"]
-    trainer = _grpo(model_dir, server, tmp_path, lr=1e-3)
+    with caplog.at_level(logging.WARNING):
+        trainer = _grpo(model_dir, server, tmp_path, lr=1e-3)
+    assert not [r.getMessage() for r in caplog.records if "logprobs-mode" in r.getMessage()]
     _check_followed(trainer, server, model_dir, version)
 
 

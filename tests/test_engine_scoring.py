@@ -1,8 +1,9 @@
 """Prompt scoring (``prompt_logprobs``, ``max_new_tokens=0``) and ``logprobs_mode="processed_logprobs"``.
 
 Oracles: a teacher-forced forward of the same weights (``unsloth_rollout.testing.oracles.teacher_forced``) for
-prompt logprobs, and an independent processed-distribution computation written here from the definition
-(penalties, then T, top-k, min-p, top-p over the sorted probabilities, renormalised) for processed logprobs.
+prompt logprobs, and the processed distribution computed from its definition (``testing.oracles
+.processed_distribution``: penalties, then T, top-k, min-p, top-p over the sorted probabilities, renormalised)
+for processed logprobs.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
 from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.engine import InvalidRequestError
-from unsloth_rollout.testing.oracles import teacher_forced
+from unsloth_rollout.testing.oracles import processed_distribution, teacher_forced
 
 TOL = 1e-5
 
@@ -85,29 +86,9 @@ def test_max_new_tokens_zero_needs_prompt_logprobs():
 
 def _processed_oracle(logits, seen_all, seen_out, sp):
     """The log of the distribution a token is drawn from, from the definition (vLLM's processed_logprobs)."""
-    x = logits.double().clone()
-    if sp.repetition_penalty != 1.0:
-        idx = torch.tensor(sorted(set(seen_all)))
-        v = x[idx]
-        x[idx] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
-    for t in set(seen_out):
-        x[t] -= sp.frequency_penalty * seen_out.count(t) + sp.presence_penalty
-    x = x / sp.temperature
-    if sp.top_k > 0:
-        x[x < x.topk(sp.top_k).values[-1]] = float("-inf")
-    p = torch.softmax(x, dim=-1)
-    if sp.min_p > 0:
-        p[p < sp.min_p * p.max()] = 0
-    order = p.argsort(descending=True)
-    keep, mass = torch.zeros_like(p, dtype=torch.bool), 0.0
-    total = float(p.sum())
-    for t in order.tolist():
-        if mass >= sp.top_p * total:
-            break
-        keep[t] = True
-        mass += float(p[t])
-    p = torch.where(keep, p, torch.zeros_like(p))
-    return torch.log(p / p.sum())
+    return processed_distribution(logits, seen_all, seen_out, temperature=sp.temperature, top_k=sp.top_k,
+                                  top_p=sp.top_p, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty)
 
 
 @pytest.mark.parametrize("knobs", [dict(temperature=0.7, top_p=0.9, repetition_penalty=1.05),

@@ -198,11 +198,11 @@ def test_abort_while_nobody_steps_applies_now(engine, qwen2_lora_policy):
 
 @pytest.mark.slow
 def test_overhead_ratios_on_a_small_model():
-    """Timing (only under -m slow): the engine's steps and a trainer beside it cost what they cost alone."""
-    from unsloth_rollout.bench.overhead import GOAL_RATIO, run_overhead
+    """Timing (only under -m slow): the engine's steps and a trainer beside it cost what they cost alone, within
+    15% (a two-team OpenMP fight costs ~2x: the control of benchmarks/cpu/overhead.md)."""
+    from unsloth_rollout.bench.overhead import run_overhead
 
     report = run_overhead(layers=12, batch=16, steps=8, train_batch=4, train_tokens=64, rounds=3, progress=False)
-    assert report["ratios"]["decode_generate_vs_main"] <= GOAL_RATIO, report["ratios"]
-    assert report["ratios"]["decode_worker_vs_main"] <= GOAL_RATIO, report["ratios"]
-    assert report["ratios"]["train_after_generate_vs_no_engine"] <= GOAL_RATIO, report["ratios"]
-    assert report["ratios"]["train_after_agenerate_vs_no_engine"] <= GOAL_RATIO, report["ratios"]
+    for ratio in ("decode_generate_vs_main", "decode_worker_vs_main", "train_after_generate_vs_no_engine",
+                  "train_after_agenerate_vs_no_engine"):
+        assert report["ratios"][ratio] <= 1.15, report["ratios"]

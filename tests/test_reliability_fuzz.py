@@ -302,9 +302,9 @@ def test_fuzzed_requests_never_5xx_or_hang(server, canary, media_dir, scale, req
     assert errors.get(500, 0) == 0
 
 
-# ====================================================================== regressions the fuzzing found
+# ====================================================================== inputs the fuzzing found
 REGRESSIONS = {
-    # A lone surrogate reached the tokenizer / the UTF-8 encoding of an error message: 500 before the fix.
+    # A lone surrogate must not reach the tokenizer or the UTF-8 encoding of an error message (a 500).
     "surrogate_in_model_name": ("/v1/chat/completions", b'{"model": "\\ud800", "messages": [{"role": "user", '
                                 b'"content": "hi"}]}', 400, "model"),
     "surrogate_in_content": ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], '
@@ -312,10 +312,10 @@ REGRESSIONS = {
     "surrogate_in_prompt": ("/v1/completions", b'{"prompt": "x\\ud83d", "max_tokens": 2}', 400, "prompt"),
     "raw_cesu8_surrogate": ("/v1/completions", b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}', 400, "prompt"),
     "paired_surrogates_are_text": ("/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', 200, None),
-    # top_k beyond int64 overflowed the sampler's tensor: the request failed inside the engine (500).
+    # top_k beyond int64 must not overflow the sampler's tensor (the request would fail inside the engine: 500).
     "top_k_beyond_int64": ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 2, "top_k": '
                            + str(10**23).encode() + b"}", 200, None),
-    # A request's own Jinja template was evaluated on the server (a nested loop blocked the event loop).
+    # A request's own Jinja template must not run on the server (a nested loop would block the event loop).
     "request_chat_template": ("/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {
             "chat_template": "{% for i in range(3000) %}{% for j in range(3000) %}{{ i }}{% endfor %}{% endfor %}"}}
@@ -323,7 +323,7 @@ REGRESSIONS = {
     "template_tokenize_kwarg": ("/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {"tokenize": True}}
     ).encode(), 400, "chat_template_kwargs"),
-    # JSON has no Infinity; temperature=Infinity sampled garbage with a 200.
+    # JSON has no Infinity; temperature=Infinity would sample garbage with a 200.
     "infinite_temperature": ("/v1/completions", b'{"prompt": [1], "max_tokens": 2, "temperature": Infinity}', 400,
                              "temperature"),
 }

@@ -220,7 +220,7 @@ def test_tool_call_round_trip(client, engine, policy):
 
 def test_named_tool_choice_yields_the_call(client, policy):
     """The model writes the whole call under a grammar (the prompt ends at the generation prompt); its arguments
-    are JSON for the function's schema, streamed as vLLM streams them."""
+    are JSON for the function's schema; streamed, the same call arrives whole."""
     messages = [{"role": "user", "content": "Weather in Rome?"}]
     choice = {"type": "function", "function": {"name": "get_weather"}}
     tools = json.loads(json.dumps(TOOLS))
@@ -232,12 +232,12 @@ def test_named_tool_choice_yields_the_call(client, policy):
     assert calls and calls[0].function.name == "get_weather" and calls[0].type == "function"
     assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
     assert policy.tokenizer.decode(resp.prompt_token_ids).endswith("<|im_start|>assistant\n")
-    # Streaming delivers the same call in tool_calls deltas (name first, then argument pieces), never as content.
+    # Streaming delivers the same call in one tool_calls delta (name and complete arguments), never as content.
     chunks = list(client.chat.completions.create(stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert [tc.function.name for tc in streamed if tc.function.name] == ["get_weather"]
-    assert "".join(tc.function.arguments or "" for tc in streamed) == calls[0].function.arguments
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather",
+                                                                               calls[0].function.arguments)]
     assert "".join(d.content or "" for d in deltas) == ""
 
 

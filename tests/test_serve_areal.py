@@ -89,14 +89,10 @@ def test_areal_full_weight_update_from_disk(server, model_dir, workdir):
     """AReaL's /areal_update_weights: a saved checkpoint replaces the served weights; the original restores."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model.layers.1." in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    ckpt = workdir / "step-1"
-    model.save_pretrained(ckpt)
+    from unsloth_rollout.testing.fixtures import perturbed_vlm_checkpoint
+
+    ckpt = perturbed_vlm_checkpoint(model_dir, workdir / "step-1")
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
 
     prompt = [13, 17, 19, 23]
     body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,

@@ -115,6 +115,21 @@ def test_cli_parses_vllm_style_arguments():
         _parse_loras(["no-equals-sign"])
 
 
+def test_cli_example_in_the_serve_docstring_parses():
+    """The command ``unsloth_rollout.serve.cli``'s docstring shows parses with the real parser (every flag exists)."""
+    import shlex
+
+    import unsloth_rollout.serve.cli as serve_cli
+    from unsloth_rollout.cli import build_parser
+
+    example = serve_cli.__doc__.split("Example::", 1)[1].strip().split("\n\n")[0].replace("\\\n", " ")
+    argv = shlex.split(example)
+    assert argv[:2] == ["unsloth-rollout", "serve"], argv
+    args = build_parser().parse_args(argv[1:])
+    assert args.model == "./qwen2.5-vl-3b" and args.model_backend == "auto" and args.max_model_len == 8192
+    assert args.lora == ["policy=./ckpt/lora-v3"] and args.port == 8000
+
+
 def test_cli_sizes_the_image_processor_cache_as_vllm_does():
     from unsloth_rollout.cli import build_parser
     from unsloth_rollout.serve.cli import engine_config

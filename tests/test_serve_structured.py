@@ -3,7 +3,7 @@
 A random tiny model, which on its own writes no JSON and no tool calls, driven by the official ``openai`` client
 over the in-process app. Oracles: ``jsonschema`` (every finished response and every call's arguments validate
 against the schema the request gave), the Hermes parser applied to the completion tokens, and the non-streamed
-response of the same seeded request (the streamed tool-call deltas join to it).
+response of the same seeded request (a streamed call equals it).
 """
 
 from __future__ import annotations
@@ -115,21 +115,23 @@ def test_named_tool_choice_out_of_tokens_is_length_without_a_call(setup):
         assert c.finish_reason == "length" and not c.message.tool_calls
 
 
-def test_streamed_tool_calls_are_shaped_as_vllm_and_join_to_the_response(setup):
+def test_streamed_tool_call_arrives_whole_with_the_finish_reason(setup):
+    """A streamed call is one delta (index, id, type, name and its complete arguments) in the chunk that carries
+    the finish_reason, equal to the non-streamed call; no chunk before it names a call (docs/server.md)."""
     client, _ = setup
     kw = dict(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=96, seed=3,
               temperature=1.0, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
-    chunks = list(client.chat.completions.create(stream=True, **kw))
-    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    first, rest = deltas[0], deltas[1:]
-    assert first.id and first.type == "function" and first.function.name == whole.message.tool_calls[0].function.name
-    assert not first.function.arguments
-    assert rest and all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
-    assert "".join(d.function.arguments for d in rest) == whole.message.tool_calls[0].function.arguments
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    chunks = [ch for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    with_calls = [ch for ch in chunks if ch.choices[0].delta.tool_calls]
+    assert len(with_calls) == 1 and with_calls[0] is chunks[-1]
+    (d,) = with_calls[0].choices[0].delta.tool_calls
+    w = whole.message.tool_calls[0]
+    assert d.index == 0 and d.id.startswith("chatcmpl-tool-") and d.type == "function"
+    assert (d.function.name, d.function.arguments) == (w.function.name, w.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
 
 
 @pytest.mark.parametrize("body,param", [

@@ -1,5 +1,5 @@
-"""Tool-call parsers, streamed tool-call deltas and the streaming hold-back, on hand-written model text (no model,
-no server). Tests named ``test_vllm_*`` restate, in our words, the assertions of the vLLM test they name
+"""Tool-call parsers, streamed tool calls and the streaming hold-back, on hand-written model text (no model, no
+server). Tests named ``test_vllm_*`` restate, in our words, the assertions of the vLLM test they name
 (vllm-project/vllm tests/tool_parsers/test_hermes_tool_parser.py and test_llama3_json_tool_parser.py)."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from unsloth_rollout.serve.tool_stream import ToolCallStream, normalized_prefix  # noqa: E402
+from unsloth_rollout.serve.tool_stream import ToolCallStream  # noqa: E402
 from unsloth_rollout.serve.tools import (StreamGuard, parse_hermes, parse_llama3_json, parse_tool_calls,  # noqa: E402
                                          pick_parser)
 
@@ -112,6 +112,46 @@ def test_stream_guard_never_leaks_a_call():
     assert sent + g.finish(parse_hermes("a <tool"), "a <tool") == "a <tool"
 
 
+_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": [1, "x"]}}\n</tool_call>'
+_CUT_TEXTS = [
+    ("hermes", parse_hermes, "Let me check. " + _CALL),
+    ("hermes", parse_hermes, _CALL + "\n" + _CALL),
+    ("hermes", parse_hermes, _CALL + '\n<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>'),  # 2nd broken
+    ("hermes", parse_hermes, "No call here, only < and <tool text."),
+    ("llama3_json", parse_llama3_json, 'Checking: {"name": "f", "parameters": {"a": 1}} and done.'),
+    ("llama3_json", parse_llama3_json, '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'),
+    ("llama3_json", parse_llama3_json, "Plain words {with braces} only."),
+]
+
+
+@pytest.mark.parametrize("parser,parse,text", _CUT_TEXTS)
+def test_streamed_answer_is_the_final_answer_wherever_the_output_ends(parser, parse, text):
+    """The output may end anywhere (max_tokens, an abort): what was streamed before the end is never taken back,
+    and with what ``finish`` sends it is exactly the final parse of the output as it ended: content (None as "")
+    and calls. A closed call is withdrawn when a later one is broken (Hermes), and prose is no content once a
+    Llama-3 call appears, so neither may go out early."""
+    for cut in range(len(text) + 1):
+        out = text[:cut]
+        content, calls, deltas = _stream(out, parser, 1, parse)
+        final = parse(out)
+        assert calls == final.calls, (cut, out)
+        assert content == ((final.content or "") if final.calls else out), (cut, out)
+        _assert_whole_calls(deltas)
+
+
+def test_llama3_json_and_response_template_content_is_held_until_the_end():
+    """A later call can take back any Llama-3 prose (content None), and a response template shapes the content as
+    it likes: nothing is sent before the end."""
+    s = ToolCallStream("llama3_json")
+    text = 'Checking: {"name": "f", "parameters": {"a": 1}}'
+    assert all(s.feed(text[:k]) == "" for k in range(len(text) + 1))
+    assert s.finish(parse_llama3_json(text), text)[0] == ""  # the call took the prose: content None
+    s, tok = ToolCallStream("transformers"), _TokWithTemplate()
+    assert all(s.feed("Hello there"[:k]) == "" for k in range(12))
+    content, deltas = s.finish(parse_tool_calls("Hello there", "transformers", tok), "Hello there")
+    assert content == "hi" and [d["function"]["name"] for d in deltas] == ["f"]  # what the template says
+
+
 # ====================================================================== vLLM's Hermes parser tests
 def test_vllm_hermes_parser_non_streaming_tool_call_between_tags():
     p = parse_hermes('<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}\n</tool_call>')
@@ -150,15 +190,13 @@ def test_hermes_call_without_arguments_is_content():
 
 
 def _stream(text: str, parser: str, step: int, parse):
-    """Feed ``text`` ``step`` characters at a time; returns (content, [(name, arguments)], the deltas)."""
-    s, content, deltas = ToolCallStream(parser), "", []
+    """Feed ``text`` ``step`` characters at a time, then finish with ``parse(text)``; returns (content,
+    [(name, arguments)], the tool-call deltas). No call may be sent before the sample has finished."""
+    s, content = ToolCallStream(parser), ""
     for k in range(step, len(text) + step, step):
-        c, d = s.feed(text[:k])
-        content += c
-        deltas += d
-    c, d = s.finish(parse(text), text)
+        content += s.feed(text[:k])
+    c, deltas = s.finish(parse(text), text)
     content += c
-    deltas += d
     calls = {}
     for d in deltas:
         calls.setdefault(d["index"], []).append(d)
@@ -166,17 +204,14 @@ def _stream(text: str, parser: str, step: int, parse):
                      for _, v in sorted(calls.items())], deltas
 
 
-def _assert_vllm_delta_shape(deltas):
-    """vLLM's streamed tool calls: per call, the first delta has index, id, type and the name (no arguments),
-    then deltas with only the index and an arguments fragment."""
-    seen = set()
+def _assert_whole_calls(deltas):
+    """Each call is one delta with index, id, type, name and its complete arguments (nothing to join, nothing a
+    client could execute half-written)."""
+    assert [d["index"] for d in deltas] == list(range(len(deltas)))
     for d in deltas:
-        if d["index"] not in seen:
-            seen.add(d["index"])
-            assert set(d) == {"index", "id", "type", "function"} and d["type"] == "function"
-            assert set(d["function"]) == {"name"} and d["id"].startswith("chatcmpl-tool-")
-        else:
-            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        assert set(d) == {"index", "id", "type", "function"} and d["type"] == "function"
+        assert set(d["function"]) == {"name", "arguments"} and d["id"].startswith("chatcmpl-tool-")
+        json.loads(d["function"]["arguments"])
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 5, 8])
@@ -184,11 +219,10 @@ def test_vllm_hermes_streaming_tool_call_with_stream_interval(step):
     text = ('<tool_call>{"name": "get_current_temperature", "arguments": {"location": "San Francisco", '
             '"unit": "celsius"}}</tool_call>')
     content, calls, deltas = _stream(text, "hermes", step, parse_hermes)
-    _assert_vllm_delta_shape(deltas)
+    _assert_whole_calls(deltas)
     assert content == "" and [c[0] for c in calls] == ["get_current_temperature"]
     assert json.loads(calls[0][1]) == {"location": "San Francisco", "unit": "celsius"}
-    assert calls == parse_hermes(text).calls  # the fragments join to exactly the non-streaming arguments
-    assert sum(1 for d in deltas if "arguments" in d["function"]) > 1 or step > 8  # streamed in pieces
+    assert calls == parse_hermes(text).calls  # exactly the non-streaming arguments
 
 
 @pytest.mark.parametrize("step", [2, 3, 5, 8])
@@ -204,7 +238,7 @@ def test_vllm_hermes_streaming_multiple_tool_calls_with_stream_interval(step):
     text = ('<tool_call>{"name": "search", "arguments": {"q": "cats"}}</tool_call>'
             '<tool_call>{"name": "search", "arguments": {"q": "dogs"}}</tool_call>')
     _, calls, deltas = _stream(text, "hermes", step, parse_hermes)
-    _assert_vllm_delta_shape(deltas)
+    _assert_whole_calls(deltas)
     assert [(n, json.loads(a)) for n, a in calls] == [("search", {"q": "cats"}), ("search", {"q": "dogs"})]
 
 
@@ -301,16 +335,6 @@ def test_vllm_llama3_streaming_parallel_separators(sep):
     text = '{"name": "searchTool", "parameters": {"query": "test1"}}' + sep + \
         '{"name": "getOpenIncidentsTool", "parameters": {}}'
     _, calls, deltas = _stream(text, "llama3_json", 7, parse_llama3_json)
-    _assert_vllm_delta_shape(deltas)
+    _assert_whole_calls(deltas)
     assert [n for n, _ in calls] == ["searchTool", "getOpenIncidentsTool"]
     assert json.loads(calls[0][1]) == {"query": "test1"} and calls == parse_llama3_json(text).calls
-
-
-def test_normalized_prefix_is_a_prefix_of_json_dumps():
-    raw = '{"a" : 1.50 , "b":[true,null, "x\\u00e9"], "c": {}, "d": -2e1}  tail'
-    full = json.dumps(json.loads(raw[:raw.rindex("}") + 1]), ensure_ascii=False)
-    assert normalized_prefix(raw) == (full, raw.rindex("}") + 1)
-    for k in range(len(raw)):
-        assert full.startswith(normalized_prefix(raw[:k])[0])
-    with pytest.raises(ValueError):
-        normalized_prefix('{"a": nope}')

@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from unsloth_rollout.testing.oracles import teacher_forced_logprobs  # noqa: E402
+from unsloth_rollout.testing.oracles import teacher_forced, teacher_forced_logprobs  # noqa: E402
 from unsloth_rollout import EngineConfig, InvalidRequestError, RolloutEngine, load_model  # noqa: E402
 from unsloth_rollout.trl import rollout_func, sampling_params_from_trainer  # noqa: E402
 from unsloth_rollout.testing.trl_toy import grpo_config, toy_dataset, toy_reward  # noqa: E402
@@ -69,8 +69,9 @@ def test_logprobs_match_trl_and_versions_follow_steps(qwen2_5_vl_dir, tmp_path):
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20), seed=0)
     ptrs = {n: p.data_ptr() for n, p in policy.model.named_parameters()}
     lora0 = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_B" in n}
+    # a float32 trainer: TRL's recompute is then an exact oracle of the engine's logprobs
     tr, rf = _trainer(policy, engine, tmp_path, 3, toy_dataset(6, "images"), num_generations=4,
-                      prompts_per_step=2, max_completion_length=6)
+                      prompts_per_step=2, max_completion_length=6, bf16=False)
     stats0 = engine.stats()
     tr.train()
 
@@ -111,7 +112,8 @@ def test_logprobs_match_trl_and_versions_follow_steps(qwen2_5_vl_dir, tmp_path):
 
 
 def test_greedy_stop_tokens_and_groups_on_a_text_model(qwen2_dir, tmp_path):
-    """generation_kwargs reach the engine: do_sample=False is HF greedy, stop_token_ids cut the completion."""
+    """generation_kwargs reach the engine: do_sample=False is HF greedy, stop_token_ids cut the completion. Under
+    GRPOConfig's default precision (bf16 mixed precision): the engine's tokens are the float32 model's."""
     policy = load_model(qwen2_dir, backend="transformers", lora={"r": 4, "random_state": 0})
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=8 << 20), seed=0)
     ds = toy_dataset(2, None)
@@ -140,7 +142,10 @@ def test_greedy_stop_tokens_and_groups_on_a_text_model(qwen2_dir, tmp_path):
 
 
 def test_engine_built_lazily_on_the_trainers_model(qwen2_dir, tmp_path):
-    """`rollout_func()` with no engine: built on first call over trainer.model (PEFT-wrapped by TRL here)."""
+    """`rollout_func()` with no engine: built on first call over trainer.model (PEFT-wrapped by TRL here). Under
+    GRPOConfig's default precision the engine is built, and samples, on a model whose forward accelerate has wrapped
+    in bf16 autocast: its compiled step still warms up, and its logprobs are the float32 model's (teacher-forced,
+    outside autocast)."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -152,10 +157,23 @@ def test_engine_built_lazily_on_the_trainers_model(qwen2_dir, tmp_path):
                      args=grpo_config(str(tmp_path), 2, num_generations=2, prompts_per_step=2),
                      train_dataset=toy_dataset(4, None), rollout_func=rf,
                      peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    checked = []
+    run = rf.run
+
+    def run_checked(requests, n, trainer):  # each step's rollout against the weights it was sampled from
+        outs = run(requests, n, trainer)
+        for o in outs:
+            want, _ = teacher_forced(rf.engine.policy, o.prompt_ids, o.output_ids)
+            checked.append((want - torch.tensor(o.output_logprobs)).abs().max().item())
+        return outs
+
+    rf.run = run_checked
     tr.train()
+    assert tr.args.bf16 and "forward" in vars(tr.model)  # TRL's default: accelerate's bf16 autocast wrapper
     assert rf.engine.policy.model is tr.model and rf.engine.version == 2
-    diffs = _logged(tr, "sampling/sampling_logp_difference/max")
-    assert len(diffs) == 2 and diffs[0] <= TOL and max(diffs) <= LATER_TOL, diffs
+    assert rf.engine.stats()["decode_backend_fallback"] is None
+    assert len(checked) == 8 and max(checked) <= TOL, checked
+    assert len(_logged(tr, "sampling/sampling_logp_difference/max")) == 2  # TRL's correction saw every step
     rf.engine.shutdown()
 
 
@@ -212,7 +230,8 @@ def test_unsloth_first_text_model(qwen2_dir, tmp_path):
         ptrs = {{n: q.data_ptr() for n, q in p.model.named_parameters()}}
         lora0 = {{n: q.detach().clone() for n, q in p.model.named_parameters() if "lora_B" in n}}
         tr = GRPOTrainer(model=p.model, processing_class=p.tokenizer, reward_funcs=toy_reward(eng.eos_ids),
-                         args=grpo_config({str(tmp_path)!r}, 3), train_dataset=toy_dataset(8, None), rollout_func=rf)
+                         args=grpo_config({str(tmp_path)!r}, 3, bf16=False), train_dataset=toy_dataset(8, None),
+                         rollout_func=rf)
         tr.train()
         diffs = [h["sampling/sampling_logp_difference/max"] for h in tr.state.log_history
                  if "sampling/sampling_logp_difference/max" in h]

@@ -1,9 +1,11 @@
 """TRL's GRPOTrainer(tools=[...]) through ``rollout_func``: every turn, post-tool turns included, is the engine's.
 
 Oracles: TRL's own parse of each completion (``parse_response`` with the Qwen response template), its tool loop
-(which executes the call, then asks ``vllm_generation.generate`` for the turn after the tool result), and its own
-recomputed logprobs (``sampling/sampling_logp_difference/max`` = max |engine logprob - TRL's forward| over the
-model's tokens of every turn); a teacher-forced forward on the final weights for the last post-tool turns.
+(which executes the call, then asks ``vllm_generation.generate`` for the turn after the tool result), a
+teacher-forced float32 forward of each post-tool turn right after it is generated, and, with a float32 trainer,
+TRL's own recomputed logprobs (``sampling/sampling_logp_difference/max`` = max |engine logprob - TRL's forward| over
+the model's tokens of every turn). Under GRPOConfig's default precision (``bf16=True``: accelerate wraps the model's
+forward in bf16 autocast, also on CPU) the engine still samples, and scores, in the model's float32.
 """
 
 from __future__ import annotations
@@ -49,33 +51,44 @@ def qwen_chat_policy(qwen2_dir):
     return policy
 
 
-@pytest.mark.parametrize("importance_sampling", [True, False])
-def test_grpo_tool_loop_every_turn_from_the_engine(qwen_chat_policy, tmp_path, monkeypatch, importance_sampling):
+# (TRL's importance-sampling correction, GRPOConfig precision): a float32 trainer with the correction, whose recompute
+# is an exact oracle; GRPOConfig's default precision (bf16 mixed precision) without it.
+@pytest.mark.parametrize("importance_sampling,precision", [(True, {"bf16": False}), (False, {})],
+                         ids=["fp32-trainer", "trl-default-precision"])
+def test_grpo_tool_loop_every_turn_from_the_engine(qwen_chat_policy, tmp_path, monkeypatch, importance_sampling,
+                                                   precision):
     from trl import GRPOTrainer
 
-    from unsloth_rollout.trl import EngineGeneration
+    from unsloth_rollout.trl import EngineGeneration, EngineRollout
 
     policy = qwen_chat_policy
-    # Each post-tool turn, right after it is generated (same weights), against a teacher-forced forward.
-    post_tool_diffs = []
-    generate = EngineGeneration.generate
+    # Every turn (first and post-tool), right after it is generated (same weights), against a teacher-forced
+    # float32 forward: (output, max |diff|).
+    turn_diffs = []
+    run, generate = EngineRollout.run, EngineGeneration.generate
 
-    def checked(self, prompts, images, num_generations, profiler=None):
+    def run_checked(self, requests, expected, trainer):
+        outs = run(self, requests, expected, trainer)
+        for o in outs:
+            ref, _ = teacher_forced(policy, o.prompt_ids, o.output_ids)
+            turn_diffs.append((o, (ref - torch.tensor(o.output_logprobs)).abs().max().item()))
+        return outs
+
+    def generate_checked(self, prompts, images, num_generations, profiler=None):
         res = generate(self, prompts, images, num_generations, profiler)
         for o, lps in zip(self.rollout.post_tool_outputs[-len(prompts):], res[2]):
-            ref, _ = teacher_forced(policy, o.prompt_ids, o.output_ids)
             assert [lp[0] for lp in lps] == o.output_logprobs  # TRL's shape: per token, the sampled one's first
-            post_tool_diffs.append((o.output_versions[0], (ref - torch.tensor(o.output_logprobs)).abs().max().item()))
         return res
 
-    monkeypatch.setattr(EngineGeneration, "generate", checked)
+    monkeypatch.setattr(EngineRollout, "run", run_checked)
+    monkeypatch.setattr(EngineGeneration, "generate", generate_checked)
     engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20, max_model_len=1024), seed=0)
     rf = rollout_func(engine, tool_choice="required", importance_sampling=importance_sampling)
     CALLS.clear()
     steps, groups, n = 2, 2, 2
     tr = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=toy_reward(engine.eos_ids),
                      args=grpo_config(str(tmp_path), steps, num_generations=n, prompts_per_step=groups,
-                                      max_completion_length=64, max_tool_calling_iterations=2),
+                                      max_completion_length=64, max_tool_calling_iterations=2, **precision),
                      train_dataset=toy_dataset(4, None), rollout_func=rf, tools=[flip])
     generate_calls = []
     hf_generate = policy.model.generate
@@ -85,6 +98,8 @@ def test_grpo_tool_loop_every_turn_from_the_engine(qwen_chat_policy, tmp_path, m
     finally:
         policy.model.generate = hf_generate
 
+    if not precision:  # TRL's default: bf16 mixed precision, accelerate's autocast wrapper on the model's forward
+        assert tr.args.bf16 and "forward" in vars(policy.model)
     first = [h for h in rf.history if not h.get("post_tool")]
     post = [h for h in rf.history if h.get("post_tool")]
     assert [h["global_step"] for h in first] == list(range(steps))
@@ -99,8 +114,11 @@ def test_grpo_tool_loop_every_turn_from_the_engine(qwen_chat_policy, tmp_path, m
     assert sorted({h["global_step"] for h in post}) == list(range(steps))
     suffix = policy.tokenizer.encode("</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert all(o.prompt_ids[-len(suffix):] == suffix for o in rf.post_tool_outputs)  # after the tool result
-    assert len(post_tool_diffs) == len(rf.post_tool_outputs)
-    assert max(d for v, d in post_tool_diffs if v == 0) <= TOL and max(d for _, d in post_tool_diffs) <= LATER_TOL
+    post_ids = {id(o) for o in rf.post_tool_outputs}
+    assert sum(id(o) in post_ids for o, _ in turn_diffs) == len(rf.post_tool_outputs)
+    assert len(turn_diffs) == len(rf.post_tool_outputs) + steps * groups * n
+    assert max(d for o, d in turn_diffs if o.output_versions[0] == 0) <= TOL
+    assert max(d for _, d in turn_diffs) <= LATER_TOL
     if importance_sampling:
         # TRL's recompute of every model token (first and post-tool turns; tool results masked) == the engine's.
         diffs = [h["sampling/sampling_logp_difference/max"] for h in log

@@ -15,7 +15,9 @@
 #          (DecodeConfig(backend="compiled"): compiled at engine start; warm-up and recompiles recorded)
 #   unsloth  unsloth_check.py: Unsloth's FastLanguageModel fast path refused by name (or served exactly), auto
 #          loading transformers there, FastVisionModel served within bounds (needs site.tgz)
-#   all    everything the decode issue asks for in one call under 590 s: the model build in the background while
+#   transfer  weight_transfer_check.py: TRL's VLLMClient pushes changed weights to the server over NCCL (trainer and
+#          server share the GPU); version bump, logprobs and greedy tokens on the new weights (needs site.tgz for TRL)
+#   all    the decode checks in one call under 590 s: the model build in the background while
 #          tests/test_gpu.py and unsloth_check.py share the GPU (correctness only), then alone on the GPU the 3B
 #          VL decode sweep (eager workspace, the compiled step, HF generate() at batch 1 and 64), then the NF4
 #          eager sweep if time is left
@@ -88,12 +90,12 @@ for a in "$@"; do
       tar czf "$WHEELS/site.tgz" -C "$tmp/site" unsloth xf bnb
       rm -rf "$tmp"
       ls -l "$WHEELS"; exit 0 ;;
-    probe|bf16|4bit|text|captured|unsloth|all) VARIANTS+=("$a") ;;
+    probe|bf16|4bit|text|captured|unsloth|transfer|all) VARIANTS+=("$a") ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured unsloth all; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
+    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured unsloth transfer all; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
   esac
 done
-[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured unsloth all" >&2; exit 2; }
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured unsloth transfer all" >&2; exit 2; }
 
 # step NAME SECONDS CMD...: run CMD under a time limit, its output appended to $OUT/VARIANT.log; a failure is recorded
 # and the next step still runs (each step's figures are worth keeping on their own).
@@ -190,6 +192,12 @@ for v in "${VARIANTS[@]}"; do
       install_wheels
       step unsloth_check 240 env PYTHONPATH="$(site_pp "unsloth bnb")" "$PY" "$HERE/unsloth_check.py" --models "$MODELS" \
         --json "$OUT/unsloth_check.json"
+      ;;
+    transfer)
+      [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + site.tgz) of $CARRY_LIMIT"
+      install_wheels
+      step weight_transfer 240 env PYTHONPATH="$(site_pp unsloth)" "$PY" "$HERE/weight_transfer_check.py" \
+        --models "$MODELS" --json "$OUT/weight_transfer.json"
       ;;
     all)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + site.tgz) of $CARRY_LIMIT"

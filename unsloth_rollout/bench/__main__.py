@@ -20,6 +20,7 @@ from .overhead import OVERHEAD_DEFAULTS
 from .workloads import SHAPES, WORKLOADS
 
 from ..engine.config import parse_bytes
+from ..engine.decode.choose import COMPILED_MIN_SHARED, EAGER_MIN_SHARED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf-sequential runs this many requests (evenly spaced) and reports their rate")
     p.add_argument("--shared-prompt-min-tokens", "--shared-prefix-min-tokens", dest="shared_prompt_min_tokens",
                    type=int, default=None,
-                   help="--workload long: DecodeConfig.shared_prompt_min_tokens (default: the engine's, 640 with "
-                        "the compiled step without the CPU kernel, else 32)")
+                   help=f"--workload long: DecodeConfig.shared_prompt_min_tokens (default: the engine's, "
+                        f"{EAGER_MIN_SHARED} with eager steps and with the compiled step on the CPU attention kernel, "
+                        f"{COMPILED_MIN_SHARED} with the compiled step without the kernel)")
     p.add_argument("--hf-batch-groups", type=int, default=1, help="GRPO groups per hf-batched generate() call")
     p.add_argument("--drift-samples", type=int, default=8, help="outputs per backend checked against a forward")
     p.add_argument("--repeats", type=int, default=None,

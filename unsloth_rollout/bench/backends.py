@@ -332,7 +332,8 @@ class TransformersCBBackend(Backend):
 
     def unavailable(self, ctx):
         if ctx.policy.is_vlm:
-            return "transformers continuous batching is text-only (no pixel_values per request; transformers#46516)"
+            return ("transformers continuous batching is text-only (no pixel_values per request; "
+                    "huggingface/transformers#43386)")
         if not hasattr(ctx.policy.base_model, "continuous_batching_context_manager"):
             return "this transformers version has no continuous batching API"
         return None

@@ -292,7 +292,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
     if unknown:
         raise ValueError(f"--backends: unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
     if lora < 0:
-        raise ValueError(f"--lora must be >= 0 (0 = no LoRA), got {lora}")
+        raise ValueError(f"--lora-rank must be >= 0 (0 = no LoRA), got {lora}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     path = model_path(model)
@@ -358,7 +358,7 @@ def run_bench(model: str = "small-vlm", workload: str = "grpo", prompts: int | N
         if eng is not None and r["output_tokens_per_s"] > 0:
             r["ratio_vs_engine"] = eng["output_tokens_per_s"] / r["output_tokens_per_s"]
         # Medians over the repeats, and the median of the per-round ratios (a round's backends ran back to back,
-        # under the same load): the figures the goals are stated in.
+        # under the same load): the figures that compare backends on a shared, noisy machine.
         mine = r.get("runs_output_tokens_per_s") or [r["output_tokens_per_s"]]
         r["median_output_tokens_per_s"] = float(np.median(mine))
         if eng is not None:

@@ -10,11 +10,13 @@ random Qwen2 built from ``--model``'s config with ``--layers`` decoder layers (d
   event loop (stepped by the engine's worker thread, the event loop's thread having freed its team);
 - a trainer step (forward + backward, ``train_batch`` x ``train_tokens`` tokens): with no engine (before it
   is built and after ``shutdown()``), with the engine alive after ``generate()`` and after ``agenerate()``,
-  and a control: beside a thread that ran one forward and then blocks (what an idle engine thread used to be).
+  and a control: beside a thread that ran one forward and then blocks (an engine thread that kept its OpenMP
+  team while idle).
 
 Rounds run interleaved (one measurement of each kind in turn), so load changes on a shared machine hit all
-alike; each figure is the median over rounds of the per-round median. The goal: decode and trainer ratios
-<= 1.15. The control ratio says whether the effect the engine avoids shows on this machine at all now.
+alike; each figure is the median over rounds of the per-round median. Each ratio is a step's time over its
+reference (decode on the main thread; a trainer step with no engine): 1.00 means the engine's threads cost
+nothing. The control ratio says whether the effect the engine avoids shows on this machine at all.
 
     python -m unsloth_rollout.bench --workload overhead --json benchmarks/cpu/overhead.json
 """
@@ -32,7 +34,6 @@ import torch
 
 OVERHEAD_DEFAULTS = {"layers": 36, "batch": 64, "steps": 12, "train_batch": 8, "train_tokens": 128, "rounds": 3,
                      "lora": 8}
-GOAL_RATIO = 1.15
 
 
 def deep_policy(model: str, layers: int, lora: int, seed: int):
@@ -183,8 +184,6 @@ def run_overhead(model: str = "tiny-lm", layers: int = 36, batch: int = 64, step
         "control_train_beside_idle_thread_vs_no_engine": med["train_beside_idle_thread_ms"]
         / med["train_no_engine_ms"],
     }
-    goals = ("decode_generate_vs_main", "decode_worker_vs_main", "train_after_generate_vs_no_engine",
-             "train_after_agenerate_vs_no_engine")
     return {
         "command": (f"python -m unsloth_rollout.bench --workload overhead --model {model} --layers {layers} "
                     f"--batch {batch} --steps {steps} --train-batch {train_batch} --train-tokens {train_tokens} "
@@ -192,9 +191,8 @@ def run_overhead(model: str = "tiny-lm", layers: int = 36, batch: int = 64, step
         "model": model, "layers": layers, "lora_rank": lora, "batch": batch, "steps": steps,
         "train_batch": train_batch, "train_tokens": train_tokens, "rounds": rounds,
         "machine": machine_info(policy.device), "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()),
-        "cpu_pressure_after": cpu_pressure(), "goal_ratio": GOAL_RATIO,
+        "cpu_pressure_after": cpu_pressure(),
         "medians_ms": med, "per_round_ms": rows, "ratios": ratios,
-        "goals_met": {k: ratios[k] <= GOAL_RATIO for k in goals},
         "engine_threads_after_generate": threads_after_generate,
         "engine_threads_after_agenerate": threads_after_agenerate,
         "engine_workers_started": engine.driver.workers_started,
@@ -202,7 +200,8 @@ def run_overhead(model: str = "tiny-lm", layers: int = 36, batch: int = 64, step
 
 
 def _beside_idle_thread(policy, train_ms) -> float:
-    """Trainer step while a second thread that ran one forward blocks (an idle engine thread of old)."""
+    """Trainer step while a second thread that ran one forward blocks (the control: a thread that keeps its
+    OpenMP team while idle)."""
     ran, release = threading.Event(), threading.Event()
 
     def idle():
@@ -222,8 +221,7 @@ def _beside_idle_thread(policy, train_ms) -> float:
 
 
 def markdown(report: dict) -> str:
-    m, med, r, goal = report["machine"], report["medians_ms"], report["ratios"], report["goal_ratio"]
-    ok = lambda k: "yes" if r[k] <= goal else "NO"  # noqa: E731
+    m, med, r = report["machine"], report["medians_ms"], report["ratios"]
     lines = [
         f"Model `{report['model']}` config at {report['layers']} layers (LoRA r={report['lora_rank']}), workload "
         f"`overhead`: decode steps at batch {report['batch']}, trainer steps of {report['train_batch']} x "
@@ -231,20 +229,20 @@ def markdown(report: dict) -> str:
         f"Machine: {m.get('cpu')} ({m.get('cores')} cores, {m.get('threads')} torch threads), torch {m.get('torch')}; "
         f"load average {report['loadavg_before'][0]:.1f} before, {report['loadavg_after'][0]:.1f} after.",
         "",
-        "| measurement | ms | ratio | goal <= %.2f |" % goal,
-        "|---|---:|---:|---|",
-        f"| decode step, EngineCore.step() by hand on the main thread | {med['main_step_ms']:.1f} | 1.00 | |",
+        "| measurement | ms | ratio to its reference |",
+        "|---|---:|---:|",
+        f"| decode step, EngineCore.step() by hand on the main thread (reference) | {med['main_step_ms']:.1f} | 1.00 |",
         f"| decode step, generate() (steps on the calling thread) | {med['generate_step_ms']:.1f} | "
-        f"{r['decode_generate_vs_main']:.2f} | {ok('decode_generate_vs_main')} |",
+        f"{r['decode_generate_vs_main']:.2f} |",
         f"| decode step, agenerate() (the engine's worker thread) | {med['worker_step_ms']:.1f} | "
-        f"{r['decode_worker_vs_main']:.2f} | {ok('decode_worker_vs_main')} |",
-        f"| trainer step, no engine | {med['train_no_engine_ms']:.1f} | 1.00 | |",
+        f"{r['decode_worker_vs_main']:.2f} |",
+        f"| trainer step, no engine (reference) | {med['train_no_engine_ms']:.1f} | 1.00 |",
         f"| trainer step, engine alive after generate() | {med['train_after_generate_ms']:.1f} | "
-        f"{r['train_after_generate_vs_no_engine']:.2f} | {ok('train_after_generate_vs_no_engine')} |",
+        f"{r['train_after_generate_vs_no_engine']:.2f} |",
         f"| trainer step, engine alive after agenerate() | {med['train_after_agenerate_ms']:.1f} | "
-        f"{r['train_after_agenerate_vs_no_engine']:.2f} | {ok('train_after_agenerate_vs_no_engine')} |",
+        f"{r['train_after_agenerate_vs_no_engine']:.2f} |",
         f"| control: trainer step beside a blocked thread that ran a forward | "
-        f"{med['train_beside_idle_thread_ms']:.1f} | {r['control_train_beside_idle_thread_vs_no_engine']:.2f} | |",
+        f"{med['train_beside_idle_thread_ms']:.1f} | {r['control_train_beside_idle_thread_vs_no_engine']:.2f} |",
         "",
         f"Engine worker threads alive after generate(): {report['engine_threads_after_generate']}; after agenerate() "
         f"went idle: {report['engine_threads_after_agenerate']} (workers started: "

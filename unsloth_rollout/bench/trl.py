@@ -8,7 +8,8 @@ padded ``model.generate()`` path. Each is timed over ``trainer._generate(prompts
 
 Example::
 
-    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 --json benchmarks/trl/bench.json
+    python -m unsloth_rollout.bench --workload trl --prompts 16 --group 8 \\
+        --json benchmarks/trl/bench_small_vlm_16x8.json
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
     ds = Dataset.from_dict({"prompt": [m for m, _ in rows]})
     trainers = {}
     for name, rf in (("engine", rollout_func(engine)), ("trl-generate", None)):
+        # float32 trainers: TRL's generate runs in the trainer's precision, the engine in the model's own
         args = grpo_config(out_dir, 1, num_generations=group, prompts_per_step=prompts,
-                           max_completion_length=max_new_tokens, temperature=temperature, seed=seed)
+                           max_completion_length=max_new_tokens, temperature=temperature, seed=seed, bf16=False)
         trainers[name] = GRPOTrainer(model=policy.model, processing_class=policy.processor or policy.tokenizer,
                                      reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                                      train_dataset=ds, rollout_func=rf)
@@ -126,7 +128,7 @@ def run_trl_bench(model: str = "small-vlm", prompts: int = 16, group: int = 8, m
                  ["input_ids"][0]) for p in gen_prompts[::group]]
     return {
         "command": (f"python -m unsloth_rollout.bench --workload trl --model {model} --prompts {prompts} "
-                    f"--group {group} --max-new-tokens {max_new_tokens} --lora {lora} --seed {seed} "
+                    f"--group {group} --max-new-tokens {max_new_tokens} --lora-rank {lora} --seed {seed} "
                     f"--repeats {repeats}"),
         "what": "wall time of GRPOTrainer._generate(prompts) for one generation batch: rollout_func=engine vs "
                 "TRL's own padded model.generate() path (use_vllm=False)",

@@ -31,6 +31,7 @@ from .config import EngineConfig
 from .core import EngineCore
 from .inputs import PreparedPrompt
 from .malloc import retain_freed_memory
+from .precision import model_precision
 from .request import GenerationOutput, GenerationRequest, StreamDelta
 from .stats import engine_stats
 from .streams import RequestStream, open_stream
@@ -47,7 +48,8 @@ class RolloutEngine:
         self.policy = policy
         self.config = config or EngineConfig()
         retain_freed_memory(policy.device, self.config.cpu_retain_freed_memory)  # CPU: keep freed activations
-        self.core = EngineCore(policy, self.config, seed)
+        with model_precision(policy):  # the probe at start runs in the model's own dtype too (precision.py)
+            self.core = EngineCore(policy, self.config, seed)
         self.tokenizer, self.max_model_len, self.eos_ids = policy.tokenizer, self.core.max_model_len, self.core.eos_ids
         self.driver = StepDriver(self.core)  # the thread, the inbox (requests in flight) and the pause holders
         kv = self.core.kv

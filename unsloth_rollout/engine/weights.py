@@ -1,8 +1,8 @@
 """The weight clock and the stale-KV rule: what a weight change means for tokens and cached KV.
 
-Every in-place change of the policy's weights is a function of ``models/weights.py`` (adapters loaded or unloaded
-by name, base weights, checkpoints; an optimizer step changes them too) followed by
-``RolloutEngine.weights_changed()``, which
+Every in-place change of the policy's weights is a function of ``unsloth_rollout/models/weights.py``
+(``load_adapter`` / ``unload_adapter``, ``load_base_weights``, ``load_checkpoint``, ``write_base_tensors``; an
+optimizer step changes them too) followed by ``RolloutEngine.weights_changed()``, which
 bumps the ``WeightsClock`` here. At the next step boundary ``WeightsClock.apply`` drops prefix entries computed by
 other weights and sends every sequence whose KV they computed back to be recomputed (the preemption path), so each
 token stamped v is sampled from and scored by weights v. Find every change with ``grep -rn "weights_changed("``.

@@ -28,6 +28,7 @@ from ..errors import ModelNotServableError
 from .inbox import Inbox
 from .omp import release_thread_team
 from .pauses import PauseHolders
+from .precision import model_precision
 
 logger = get_logger("unsloth_rollout")
 
@@ -80,7 +81,8 @@ class StepDriver:
         """Take in new requests and aborts, then run one core step (call holding step_lock)."""
         self.drain_inbox()
         try:
-            return self.core.step()
+            with model_precision(self.core.policy):  # the model's own dtype, whatever autocast is on (precision.py)
+                return self.core.step()
         except ModelNotServableError as e:
             self.inbox.refuse(e, self.core)
             return 0

@@ -5,7 +5,8 @@ a ``TCPStore`` hosted by the trainer at ``master_address:master_port`` (vLLM's `
 ``torch.distributed``'s global world, and every tensor travels by ``broadcast`` from rank 0. This module is the
 same protocol with gloo as the transport, so it runs on CPU: the server's receiver
 (``serve.weight_transfer``) and the trainer-side shim (``testing.trl_cpu``) both use it, and nothing here imports
-fastapi or vLLM.
+fastapi or vLLM. The packed and one-by-one layouts below serve any group with ``broadcast`` and ``device`` (the
+NCCL group of ``nccl_wire`` too): buffers are made on the group's device.
 
 "Packed" is vLLM's wire layout (``packed_tensor.py``): tensors are flattened to bytes and concatenated into one
 buffer per broadcast, a buffer closing as soon as it holds more than ``buffer_size_bytes``; both ends compute
@@ -31,7 +32,7 @@ DEFAULT_PACKED_NUM_BUFFERS = 2  # accepted for vLLM's signature; gloo on CPU has
 DEFAULT_TIMEOUT_S = 600.0
 
 
-class _GroupHandle:
+class GroupHandle:
     """What trainers reach through ``communicator.group``: TRL's ``close_communicator`` sets ``store`` and
     ``socket`` to None to let the rendezvous go (as on vLLM's ``StatelessProcessGroup``)."""
 
@@ -42,8 +43,11 @@ class _GroupHandle:
 
 class GlooTransferGroup:
     """A two-ended gloo group for weight transfer, shaped like vLLM's ``PyNcclCommunicator`` (``broadcast``,
-    ``rank``, ``world_size``, ``group``). Rank 0 hosts the rendezvous store; the constructor returns once every
-    rank has joined (or raises after ``timeout_s``)."""
+    ``rank``, ``world_size``, ``group``; ``device``, ``wait`` and ``abort`` as ``nccl_wire.NcclTransferGroup``).
+    Rank 0 hosts the rendezvous store; the constructor returns once every rank has joined (or raises after
+    ``timeout_s``)."""
+
+    device = torch.device("cpu")
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -54,7 +58,7 @@ class GlooTransferGroup:
         self.process_group = dist.ProcessGroupGloo(dist.PrefixStore("unsloth_rollout/weight_transfer", store),
                                                    int(rank), int(world_size), timeout)
         self.rank, self.world_size = int(rank), int(world_size)
-        self.group = _GroupHandle(store)
+        self.group = GroupHandle(store)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
         """Broadcast ``tensor`` (a contiguous CPU tensor) from rank ``src`` of this group, in place on the others."""
@@ -62,9 +66,15 @@ class GlooTransferGroup:
         opts.rootRank, opts.rootTensor = int(src), 0
         self.process_group.broadcast([tensor], opts).wait()
 
+    def wait(self, timeout_s: float) -> None:
+        """Nothing is left in flight: each gloo broadcast returns complete (or raises after the group's timeout)."""
+
+    def abort(self) -> None:
+        """Nothing to abort: a failed gloo broadcast has already raised."""
+
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous().view(torch.uint8).view(-1)
+    return tensor.detach().contiguous().view(torch.uint8).view(-1)
 
 
 def packed_broadcast_producer(iterator: Iterator[tuple[str, torch.Tensor]], group, src: int,
@@ -78,7 +88,7 @@ def packed_broadcast_producer(iterator: Iterator[tuple[str, torch.Tensor]], grou
     send what the tensor became, not what was yielded."""
     parts, size = [], 0
     for item in iterator:
-        flat = _as_bytes(post_iter_func(item)).clone()
+        flat = _as_bytes(post_iter_func(item)).to(group.device, copy=True)
         parts.append(flat)
         size += flat.numel()
         if size > buffer_size_bytes:
@@ -96,7 +106,7 @@ def packed_broadcast_consumer(metadata: list[tuple[str, list[int], torch.dtype]]
     chunk, size = [], 0
 
     def flush():
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device=group.device)
         group.broadcast(buf, src=src)
         pieces = buf.split([n for _, _, _, n in chunk]) if chunk else []
         post_unpack_func([(name, piece.view(dtype).view(shape)) for (name, shape, dtype, _), piece
@@ -117,11 +127,11 @@ def broadcast_one_by_one_consumer(metadata: list[tuple[str, list[int], torch.dty
                                   post_unpack_func: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
     """The unpacked layout (vLLM's ``packed=False``): one broadcast per tensor, in its own dtype."""
     for name, shape, dtype in metadata:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=group.device)
         group.broadcast(t, src=src)
         post_unpack_func([(name, t)])
 
 
 def broadcast_one_by_one_producer(iterator: Iterator[tuple[str, torch.Tensor]], group, src: int) -> None:
     for _, tensor in iterator:
-        group.broadcast(tensor.detach().to("cpu").contiguous(), src=src)
+        group.broadcast(tensor.detach().to(group.device).contiguous(), src=src)

@@ -7,10 +7,11 @@ A training process can serve its live policy in-process::
     uvicorn.run(app, port=8000)          # or in a thread; every request batches on the same engine
 
 The app is a pipeline: the door (``guard``: API key, body limit, JSON), the routes (``routes_openai``,
-``routes_control``, ``routes_weights``, ``routes_info``), and for generation request -> ``prepare`` (a
-``GenerationRequest``; chat through ``prompt.chat_prompt``) -> engine -> ``render`` / ``streaming``. Errors follow
-OpenAI's schema with vLLM's status codes (``errors``). Every route, with what it takes, returns and which peer
-calls it: docs/server.md.
+``routes_control``, ``routes_weights``, ``routes_info``, vLLM's token route in ``routes_tokens``, SGLang's native
+ones in ``routes_sglang``), and for generation request -> ``prepare`` (a ``GenerationRequest``; chat through
+``prompt.chat_prompt``) -> engine -> ``render`` / ``streaming``. Errors follow OpenAI's schema with vLLM's status
+codes (``errors``). Every route, with what it takes, returns and which peer calls it: docs/server.md (vLLM's token
+route: docs/server-token-api.md; SGLang's: docs/server-sglang.md).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from .guard import Guard
 from .routes_control import add_control_routes
 from .routes_info import add_info_routes
 from .routes_openai import add_openai_routes
+from .routes_tokens import add_token_routes
+from .routes_sglang import add_sglang_routes
 from .routes_weights import add_weight_routes
 from .settings import ServerSettings
 from .state import ServerState
-from .weight_transfer import parse_weight_transfer_config
+from .weight_transfer import check_weight_transfer_device, parse_weight_transfer_config
 
 
 def create_app(engine, settings: ServerSettings | None = None, **fields) -> FastAPI:
@@ -48,6 +51,7 @@ def create_app(engine, settings: ServerSettings | None = None, **fields) -> Fast
     """
     settings = ServerSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
     settings.weight_transfer_config = parse_weight_transfer_config(settings.weight_transfer_config)
+    check_weight_transfer_device(settings.weight_transfer_config, engine.policy)
     state = ServerState(engine, settings)
 
     @contextlib.asynccontextmanager
@@ -64,6 +68,8 @@ def create_app(engine, settings: ServerSettings | None = None, **fields) -> Fast
     add_info_routes(app, state)
     add_control_routes(app, state)
     add_weight_routes(app, state)
+    add_token_routes(app, state)
+    add_sglang_routes(app, state)
     return app
 
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    unsloth-rollout serve ./qwen2.5-vl-3b --backend auto --max-model-len 8192 \\
+    unsloth-rollout serve ./qwen2.5-vl-3b --model-backend auto --max-model-len 8192 \\
         --lora policy=./ckpt/lora-v3 --api-key "$KEY" --port 8000
 """
 
@@ -105,17 +105,21 @@ def build_app(args: argparse.Namespace):
     from ..engine import RolloutEngine
     from ..models import load_model
     from .app import create_app
-    from .weight_transfer import parse_weight_transfer_config
+    from .weight_transfer import check_weight_transfer_device, parse_weight_transfer_config
 
     loras = _parse_loras(args.lora)
     settings = from_namespace(ServerSettings, args, served_model_name=args.served_model_name or [args.model],
                               model_path=args.model, owns_engine=True)
     try:  # refused before the model loads
-        parse_weight_transfer_config(settings.weight_transfer_config)
+        transfer = parse_weight_transfer_config(settings.weight_transfer_config)
     except ValueError as e:
         raise SystemExit(f"--weight-transfer-config: {e}") from None
     policy = load_model(args.model, backend=args.model_backend, dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                         max_seq_length=args.max_model_len, device=args.device)
+    try:  # and what needs the loaded model (NCCL: on a CUDA device) before the engine starts
+        check_weight_transfer_device(transfer, policy)
+    except ValueError as e:
+        raise SystemExit(f"--weight-transfer-config: {e}") from None
     engine = RolloutEngine(policy, engine_config(args), seed=args.seed)
     for name, path in loras:
         engine.load_lora_adapter(name, path)

@@ -13,7 +13,8 @@ from .state import ServerState
 
 # Routes whose body is JSON: another content type is refused (400), as vLLM's validate_json_request does.
 JSON_PATHS = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/load_lora_adapter",
-              "/v1/unload_lora_adapter", "/update_weight_version", "/areal_update_weights"}
+              "/v1/unload_lora_adapter", "/update_weight_version", "/areal_update_weights",
+              "/inference/v1/generate"}
 # Reachable without the API key (liveness probes and scrapers).
 OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}
 

@@ -55,7 +55,7 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
         if bad:
             raise APIError(f"{name} is not supported by this server", param=name)
     limits = state.settings
-    if req.prompt_logprobs is not None and req.prompt_logprobs > limits.max_logprobs:
+    if req.prompt_logprobs is not None and 0 <= limits.max_logprobs < req.prompt_logprobs:  # -1: no cap
         raise APIError(f"prompt_logprobs must be at most {limits.max_logprobs} (the server's --max-logprobs), "
                        f"got {req.prompt_logprobs}", param="prompt_logprobs")
     # vLLM: no prompt_logprobs in a stream; a streamed completion echoes its prompt first (chat's echo: not here).

@@ -1,7 +1,8 @@
 """Control routes: pause and resume generation (vLLM's and AReaL's), sleep and wake (KV memory), the prefix cache.
 
-The HTTP pause routes share one pause holder (``HTTP_PAUSE``, as vLLM's do); /sleep (offload) and
-/areal_update_weights hold their own, so none of them releases another's.
+The HTTP pause routes (SGLang's too: ``routes_sglang.py``) share one pause holder (``HTTP_PAUSE``, as vLLM's do,
+through ``pause_http`` / ``resume_http``); /sleep (offload) and /areal_update_weights hold their own, so none of
+them releases another's.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ from .state import ServerState
 HTTP_PAUSE = "http"
 
 
+async def pause_http(state: ServerState, mode: str, clear_cache: bool) -> None:
+    """Take the HTTP pause (``engine.pause`` modes); ``clear_cache`` with abort drops the prefix cache."""
+    if mode == "wait":  # hold new requests at the door; the engine returns once in-flight ones finish
+        state.gate.clear()
+    await asyncio.to_thread(state.engine.pause, mode, HTTP_PAUSE)
+    if clear_cache and mode == "abort":
+        await asyncio.to_thread(state.engine.invalidate_prefix_cache)
+
+
+async def resume_http(state: ServerState) -> None:
+    """Release the HTTP pause."""
+    await asyncio.to_thread(state.engine.resume, HTTP_PAUSE)
+    state.gate.set()
+
+
 def add_control_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
-
-    async def _pause(mode: str, clear_cache: bool) -> None:
-        if mode == "wait":  # hold new requests at the door; the engine returns once in-flight ones finish
-            state.gate.clear()
-        await asyncio.to_thread(engine.pause, mode, HTTP_PAUSE)
-        if clear_cache and mode == "abort":
-            await asyncio.to_thread(engine.invalidate_prefix_cache)
-
-    async def _resume() -> None:
-        await asyncio.to_thread(engine.resume, HTTP_PAUSE)
-        state.gate.set()
 
     @app.post("/pause")
     async def pause(mode: str = "abort", clear_cache: bool = True):
@@ -44,13 +49,13 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
         """
         if mode not in ("abort", "keep", "wait"):
             raise APIError(f"mode must be one of 'abort', 'keep', 'wait'; got {mode!r}", param="mode")
-        await _pause(mode, clear_cache)
+        await pause_http(state, mode, clear_cache)
         return {"status": "paused"}
 
     @app.post("/resume")
     async def resume():
         """Release the HTTP pause. Returns: ``{"status": "resumed"}``. Called by: TRL's async GRPO trainer."""
-        await _resume()
+        await resume_http(state)
         return {"status": "resumed"}
 
     @app.get("/is_paused")
@@ -66,14 +71,14 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
         Returns: ``{"success": true, "message"}``.
         Called by: AReaL's ``RemotevLLMEngine.pause_generation`` (before a weight update).
         """
-        await _pause("abort", True)
+        await pause_http(state, "abort", True)
         return {"success": True, "message": "Generation paused and all requests aborted"}
 
     @app.post("/areal_continue_generation")
     async def areal_continue_generation():
         """Release AReaL's pause. Returns: ``{"success": true, "message"}``.
         Called by: AReaL's ``RemotevLLMEngine.continue_generation``."""
-        await _resume()
+        await resume_http(state)
         return {"success": True, "message": "Generation continued"}
 
     @app.post("/reset_prefix_cache")

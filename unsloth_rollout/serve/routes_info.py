@@ -51,7 +51,8 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
         Returns: ``{"vllm_config": {"model_config", "cache_config", "parallel_config", "scheduler_config",
         "lora_config", "weight_transfer_config", "device_config"}, "backend", "version"}``.
         Called by: TRL's ``VLLMClient.get_server_info`` (``lora_config``, ``parallel_config.data_parallel_size``,
-        ``model_config.logprobs_mode``, ``weight_transfer_config``: null, so TRL syncs adapters, not NCCL weights).
+        ``model_config.logprobs_mode``, ``weight_transfer_config``: what ``--weight-transfer-config`` set, else
+        null, and TRL's ``init_communicator`` then stops by name).
         """
         return {"vllm_config": server_config(state), "backend": getattr(engine.policy, "backend", None),
                 "version": __version__}
@@ -80,7 +81,8 @@ def server_config(state: ServerState) -> dict:
                         "max_loras": cfg.lora.max_loras if cfg.lora.max_loras is not None else 2**31 - 1,
                         "max_cpu_loras": None,
                         "fully_sharded_loras": False, "lora_dtype": "auto"},
-        # None unless --weight-transfer-config (TRL then refuses server-mode full-weight sync at start, by name).
+        # {"backend": "nccl" | "gloo", "timeout_s"} with --weight-transfer-config; None otherwise (TRL then refuses
+        # server-mode full-weight sync at start, by name).
         "weight_transfer_config": opts.weight_transfer_config,
         "device_config": {"device": str(policy.device)},
     }

@@ -59,13 +59,15 @@ class ServerSettings:
         "raw_logprobs", "raw_logprobs: log_softmax(logits / T), what a trainer recomputes; processed_logprobs: the "
         "distribution each token was drawn from (penalties, top-k / top-p / min-p, renormalised), as vLLM's",
         choices=LOGPROBS_MODES)
-    max_logprobs: int = setting(20, "largest prompt_logprobs a request may ask (vLLM's --max-logprobs)")
+    max_logprobs: int = setting(20, "largest prompt_logprobs a request may ask (vLLM's --max-logprobs; -1: no cap, "
+                                "as TRL's `trl vllm-serve` command line asks)")
     enable_runtime_lora: bool | None = setting(
         None, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (404 otherwise, as vLLM); default: "
         "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM")
     weight_transfer_config: dict | str | None = setting(
-        None, "serve vLLM's full-weight transfer routes (TRL's vllm_mode=\"server\" sync): '{\"backend\": \"gloo\"}'; "
-        "vLLM's \"nccl\" backend is refused (default: off, the routes answer 501); create_app checks it "
+        None, "serve vLLM's full-weight transfer routes (TRL's vllm_mode=\"server\" sync): '{\"backend\": \"nccl\"}' "
+        "(vLLM's default; the served model on CUDA) or '{\"backend\": \"gloo\"}' (any device); \"timeout_s\" bounds "
+        "each rendezvous and update (default: off, the routes answer 501); create_app checks it "
         "(weight_transfer.parse_weight_transfer_config)", type=str, metavar="JSON")
     owns_engine: bool = setting(False, "shut the engine down when the app stops", cli=False)
 
@@ -74,6 +76,8 @@ class ServerSettings:
                               ("generation_config", ("auto", "vllm"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or at least 0, got {self.max_logprobs}")
         if self.enable_runtime_lora is None:
             self.enable_runtime_lora = runtime_lora_from_env()
 

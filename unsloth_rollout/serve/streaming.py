@@ -1,5 +1,6 @@
-"""Streamed responses: engine deltas -> vLLM's SSE chunks for chat (content and tool-call deltas) and text
-completions, with usage as ``stream_options`` asks; an error after the headers are sent is reported in-band.
+"""Streamed responses: engine deltas -> vLLM's SSE chunks for chat (content deltas; tool calls whole, with the
+finish_reason) and text completions, with usage as ``stream_options`` asks; an error after the headers are sent is
+reported in-band. Joined, a stream is the non-streamed answer to the same request.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
     model = req.model or state.model_name
     include_usage, continuous = _usage_wanted(req)
     n = prep.n
-    # The engine's deltas already hold back text a stop string may still cut; tool calls stream as vLLM's do.
+    # The engine's deltas already hold back text a stop string may still cut; a tool call goes out whole, once its
+    # sample has finished (tool_stream.py: a call sent earlier could contradict the final answer).
     guards = [StreamGuard(None) for _ in range(n)]
     calls = [ToolCallStream(prep.forced or state.tool_parser) for _ in range(n)] if prep.parse_tools else None
     texts, ntoks = [""] * n, [0] * n
@@ -55,12 +57,7 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
             delta: dict = {}
             finish = None
             if d.finish_reason is None:
-                if calls is None:
-                    delta["content"] = guards[i].feed(texts[i])
-                else:
-                    delta["content"], tool_deltas = calls[i].feed(texts[i])
-                    if tool_deltas:
-                        delta["tool_calls"] = tool_deltas
+                delta["content"] = (guards if calls is None else calls)[i].feed(texts[i])
             else:
                 out = d.output
                 finish = d.finish_reason

@@ -6,7 +6,7 @@ Three parsers, picked once per server (``pick_parser``):
   - ``"hermes"``: Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
   - ``"llama3_json"``: Llama-3 JSON, ``{"name": ..., "parameters": {...}}`` (several joined by ``;``).
 
-``StreamGuard`` holds back streamed text that may still turn into a tool call or be cut by a stop string.
+``StreamGuard`` holds back streamed content that a tool call may still take back.
 
 Example::
 
@@ -132,12 +132,19 @@ def parse_tool_calls(text: str, parser: str, tokenizer=None, prompt_text: str = 
 
 
 class StreamGuard:
-    """Holds back streamed text that may still change: a possible tool call (the engine's deltas already
-    hold back text a stop string may still cut).
+    """Holds back streamed content until no continuation of the output can take it back (the engine's deltas
+    already hold back text a stop string may still cut).
 
-    ``feed(full_text)`` returns the new text that is safe to send now. At the end, ``finish(parse, text)``
-    returns what is still owed: the parsed content (or the final text) past what was sent. ``parser``
-    None: no tool calls expected.
+    ``feed(full_text)`` returns the new text that is safe to send now; ``finish(parse, text)`` returns what is
+    still owed: the final content (the parsed content when there are calls, else the final text) past what was
+    sent. What is safe depends on ``parser``:
+
+    - None (no tools): everything;
+    - ``"hermes"``: the text before the first ``<tool_call>`` (a partial tag at the tail held). The final content
+      starts with it whether the calls parse (the content is the text before the first call) or not (the whole
+      text is content);
+    - ``"llama3_json"``, ``"transformers"``: nothing until the end. A call anywhere in a Llama-3 output makes its
+      content None (vLLM's rule), and a response template may shape the content any way it likes.
     """
 
     def __init__(self, parser: str | None):
@@ -145,21 +152,17 @@ class StreamGuard:
         self.sent = 0
 
     def _safe_end(self, text: str) -> int:
-        end = len(text)
         if self.parser is None:
-            return end
-        if self.parser == "llama3_json" or self.parser == "transformers":
-            stripped = text.lstrip()
-            if not stripped or stripped[0] in "{<":
-                return 0  # may be a JSON call: wait for the end
-            return end
+            return len(text)
+        if self.parser != "hermes":
+            return 0
         i = text.find(HERMES_START)
         if i >= 0:
-            return min(i, end)
+            return i
         for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):  # a partial "<tool_call>" at the tail
             if HERMES_START.startswith(text[-k:]):
-                return min(len(text) - k, end)
-        return end
+                return len(text) - k
+        return len(text)
 
     def feed(self, text: str) -> str:
         end = self._safe_end(text)

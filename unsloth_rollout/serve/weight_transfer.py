@@ -1,27 +1,33 @@
-"""vLLM's full-weight transfer routes, served over gloo: a trainer broadcasts its weights into the served model.
+"""vLLM's full-weight transfer routes: a trainer broadcasts its weights into the served model, over NCCL or gloo.
 
 TRL's ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` syncs full weights (PEFT models: the merged adapter)
 through vLLM's weight-transfer engine: ``/init_weight_transfer_engine`` (join the trainer's rendezvous),
 ``/start_weight_update``, ``/update_weights`` (receive the announced tensors by broadcast), and
-``/finish_weight_update``. Here the same routes and payloads run over a gloo group (``models/weight_wire.py``), enabled
-with ``--weight-transfer-config '{"backend": "gloo"}'``; ``/server_info`` then reports that config. vLLM's NCCL
-engine is not implemented: ``{"backend": "nccl"}`` is refused at start by name, and with no config every route
-answers 501 naming the alternatives. TRL's own trainer refuses a non-CUDA device before it gets here;
-``unsloth_rollout.testing.trl_cpu.allow_grpo_server_mode_on_cpu`` gives it the gloo end of the wire.
+``/finish_weight_update``. Enabled with ``--weight-transfer-config``, which ``/server_info`` then reports:
 
-The payloads are vLLM's, plus ``"backend": "gloo"`` in ``init_info``: without it the client is vLLM's NCCL end
-(TRL on CUDA), which would wait in an NCCL rendezvous this server never joins, so it is refused (400) by name.
+- ``{"backend": "nccl"}`` (vLLM's default and TRL's command line): the server joins the trainer's group exactly as
+  a vLLM worker does (``models/nccl_wire.py``: vLLM's store rendezvous, NCCL unique id and broadcasts), so TRL's
+  client on a CUDA trainer runs unchanged. The served model must be on a CUDA device (refused at start otherwise).
+- ``{"backend": "gloo"}``: the same routes and payloads over a gloo group (``models/weight_wire.py``), any device.
+  TRL's own trainer refuses a non-CUDA device before it gets here;
+  ``unsloth_rollout.testing.trl_cpu.allow_grpo_server_mode_on_cpu`` gives it the gloo end of the wire, whose
+  ``init_info`` says ``"backend": "gloo"``. Without it the client is vLLM's NCCL end, which would wait in an NCCL
+  rendezvous a gloo server never joins, so it is refused (400) by name; a ``backend`` that names the other wire is
+  refused either way.
+
+With no config every route answers 501 naming the alternatives.
 
 Every tensor is checked before a byte is written: a known name, the served weight's dtype and shape; otherwise
 the broadcast is still received (so the sender is not left hanging), nothing is written, and the answer is 400
 naming the tensor. From the first write to finish the engine holds a pause ("weight_transfer", mode keep): requests
 in flight wait, then continue on the new weights with their KV recomputed and later tokens stamped with the new
 version, which finish sets (its ``weight_version``, else the old version + 1). A refused update closes the round
-(TRL's client sends no finish after an error), so the server never stays paused.
+(TRL's client sends no finish after an error), so the server never stays paused; so does a transfer that fails on
+the wire (the trainer gone: NCCL aborts after ``timeout_s``), which also closes the group (500 naming the remedy).
 
 Example::
 
-    unsloth-rollout serve ./model --weight-transfer-config '{"backend": "gloo"}'
+    unsloth-rollout serve ./model --device cuda --weight-transfer-config '{"backend": "nccl"}'
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from fastapi import Request
 from ..engine import InvalidRequestError
 from .protocol import APIError
 from ..models.weight_wire import (DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_TIMEOUT_S, GlooTransferGroup,
-                          broadcast_one_by_one_consumer, packed_broadcast_consumer)
+                                  broadcast_one_by_one_consumer, packed_broadcast_consumer)
 from ..models import weights as policy_weights
 from .weights import base_weights
 
@@ -46,8 +52,12 @@ ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weigh
 TRL_SERVE_ROUTES = ("/init_communicator", "/update_named_param", "/close_communicator")
 
 
+BACKENDS = ("nccl", "gloo")
+
+
 def parse_weight_transfer_config(value) -> dict | None:
     """``--weight-transfer-config`` (JSON text or a dict) -> the config ``/server_info`` reports, or None (off).
+    The backend defaults to vLLM's, ``"nccl"``; ``timeout_s`` bounds the rendezvous and each update on the wire.
 
     Example: ``parse_weight_transfer_config('{"backend": "gloo"}') == {"backend": "gloo", "timeout_s": 600.0}``
     """
@@ -63,17 +73,31 @@ def parse_weight_transfer_config(value) -> dict | None:
     unknown = set(value) - {"backend", "timeout_s"}
     if unknown:
         raise ValueError(f"weight_transfer_config: unknown key(s) {sorted(unknown)}; known: backend, timeout_s")
-    backend = value.get("backend", "gloo")
-    if backend == "nccl":
-        raise ValueError("weight_transfer_config.backend 'nccl': vLLM's NCCL weight-transfer engine is not "
-                         "implemented by unsloth_rollout serve; use {\"backend\": \"gloo\"} (full weights over gloo, "
-                         "any device), /v1/load_lora_adapter for adapters, or /areal_update_weights from disk")
-    if backend != "gloo":
-        raise ValueError(f"weight_transfer_config.backend must be 'gloo', got {backend!r}")
+    backend = value.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise ValueError(f"weight_transfer_config.backend must be 'nccl' (CUDA) or 'gloo' (any device), got "
+                         f"{backend!r}")
     timeout_s = value.get("timeout_s", DEFAULT_TIMEOUT_S)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise ValueError(f"weight_transfer_config.timeout_s must be a positive number, got {timeout_s!r}")
-    return {"backend": "gloo", "timeout_s": float(timeout_s)}
+    return {"backend": backend, "timeout_s": float(timeout_s)}
+
+
+def check_weight_transfer_device(config: dict | None, policy) -> None:
+    """Refuse, by name and before any trainer connects, an NCCL transfer this server cannot join: the served model
+    off CUDA, or no loadable libnccl."""
+    if config is None or config["backend"] != "nccl":
+        return
+    if policy.device.type != "cuda":
+        raise ValueError(f"weight_transfer_config.backend 'nccl' moves weights between CUDA devices, and the served "
+                         f"model is on {policy.device}; use {{\"backend\": \"gloo\"}} (any device)")
+    from ..models.nccl_wire import NcclLibrary
+
+    try:
+        NcclLibrary()
+    except OSError as e:
+        raise ValueError(f"weight_transfer_config.backend 'nccl': libnccl does not load ({e}); point "
+                         f"UNSLOTH_ROLLOUT_NCCL_SO at it, or use {{\"backend\": \"gloo\"}}") from None
 
 
 def _field(info: dict, key: str, kind, where: str):
@@ -85,12 +109,13 @@ def _field(info: dict, key: str, kind, where: str):
 
 
 class WeightReceiver:
-    """The server's end of the transfer: one group at a time, one update at a time."""
+    """The server's end of the transfer: one group at a time (NCCL or gloo, as ``config`` says), one update at a
+    time."""
 
     def __init__(self, engine, config: dict):
         self.engine = engine
         self.config = config
-        self.group: GlooTransferGroup | None = None
+        self.group = None  # a GlooTransferGroup or an nccl_wire.NcclTransferGroup, once a trainer has joined
         self.packed = False
         self.buffer_size_bytes = DEFAULT_PACKED_BUFFER_SIZE_BYTES
         self.updating = False  # between start and finish (or inside one implicit update)
@@ -101,11 +126,16 @@ class WeightReceiver:
     def init(self, init_info) -> None:
         if not isinstance(init_info, dict):
             raise InvalidRequestError("init_info", f"init_info must be an object, got {init_info!r}")
-        if init_info.get("backend") != "gloo":  # vLLM's NCCL client would wait for an NCCL peer that never comes
+        backend, said = self.config["backend"], init_info.get("backend")
+        if said is None and backend == "gloo":  # vLLM's NCCL client would wait for an NCCL peer that never comes
             raise InvalidRequestError("init_info.backend", "this server transfers weights over gloo: init_info must "
                                       "say \"backend\": \"gloo\"; vLLM's NCCL trainer end (TRL's client on CUDA) "
-                                      "is not joined (on CPU: unsloth_rollout.testing.trl_cpu."
+                                      "is joined by a server started with --weight-transfer-config "
+                                      "'{\"backend\": \"nccl\"}' (on CPU: unsloth_rollout.testing.trl_cpu."
                                       "allow_grpo_server_mode_on_cpu)")
+        if said is not None and said != backend:
+            raise InvalidRequestError("init_info.backend", f"this server transfers weights over {backend} "
+                                                           f"(--weight-transfer-config), not {said!r}")
         address = _field(init_info, "master_address", str, "init_info")
         port = _field(init_info, "master_port", int, "init_info")
         rank = _field(init_info, "rank_offset", int, "init_info")
@@ -116,13 +146,25 @@ class WeightReceiver:
         base_weights(self.engine.policy, "init_info", refuse_own_adapter=True)  # refuse before any rendezvous
         self.packed = bool(init_info.get("packed", False))
         self.buffer_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES))
-        self.group = None  # a new trainer replaces the old group
+        self._drop_group()  # a new trainer replaces the old group
         try:
-            self.group = GlooTransferGroup(address, port, rank=rank, world_size=world,
-                                           timeout_s=self.config["timeout_s"])
+            if backend == "nccl":
+                from ..models.nccl_wire import NcclTransferGroup
+
+                self.group = NcclTransferGroup.join(address, port, rank=rank, world_size=world,
+                                                    device=self.engine.policy.device,
+                                                    timeout_s=self.config["timeout_s"])
+            else:
+                self.group = GlooTransferGroup(address, port, rank=rank, world_size=world,
+                                               timeout_s=self.config["timeout_s"])
         except Exception as e:
-            raise InvalidRequestError("init_info", f"cannot join the trainer's group at {address}:{port}: {e}") \
-                from None
+            raise InvalidRequestError("init_info", f"cannot join the trainer's {backend} group at {address}:{port}: "
+                                                   f"{e}") from None
+
+    def _drop_group(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
 
     def start(self) -> None:
         """Open an update round (``finish`` closes it); the engine pauses only once a tensor is to be written."""
@@ -188,10 +230,18 @@ class WeightReceiver:
                     return  # received and dropped: nothing is written when any tensor does not fit
                 self.written += policy_weights.write_base_tensors(policy, targets, pairs)
 
-            if packed:
-                packed_broadcast_consumer(metadata, self.group, 0, write, self.buffer_size_bytes)
-            else:
-                broadcast_one_by_one_consumer(metadata, self.group, 0, write)
+            group = self.group
+            try:
+                if packed:
+                    packed_broadcast_consumer(metadata, group, 0, write, self.buffer_size_bytes)
+                else:
+                    broadcast_one_by_one_consumer(metadata, group, 0, write)
+                group.wait(self.config["timeout_s"])  # NCCL: the bytes (and writes) enqueued are in place
+            except Exception as e:  # the wire failed (the trainer gone): this group is done
+                self._drop_group()
+                raise APIError(f"the weight transfer failed on the wire ({type(e).__name__}: {e}); the group is "
+                               f"closed: join again with /init_weight_transfer_engine", 500,
+                               param="update_info") from None
             ok = problem is None
         finally:
             self.busy.release()
@@ -267,14 +317,15 @@ def install_weight_transfer_routes(app, state) -> None:
 
     async def _off(raw: Request):
         raise APIError("full-weight transfer is off (weight_transfer_config is null): start the server with "
-                       "--weight-transfer-config '{\"backend\": \"gloo\"}', sync a PEFT adapter with "
+                       "--weight-transfer-config '{\"backend\": \"nccl\"}' (CUDA) or '{\"backend\": \"gloo\"}', "
+                       "sync a PEFT adapter with "
                        "/v1/load_lora_adapter, or full weights from disk with /areal_update_weights", 501,
                        type="NotImplementedError")
 
     async def _trl_serve(raw: Request):
         raise APIError("TRL's `trl vllm-serve` weight routes are not served: TRL's VLLMClient uses vLLM's "
                        "/init_weight_transfer_engine and /update_weights (start the server with "
-                       "--weight-transfer-config '{\"backend\": \"gloo\"}')", 501, type="NotImplementedError")
+                       "--weight-transfer-config '{\"backend\": \"nccl\"}')", 501, type="NotImplementedError")
 
     for route in TRL_SERVE_ROUTES:
         app.add_api_route(route, _trl_serve, methods=["POST"], include_in_schema=False)
@@ -285,8 +336,9 @@ def install_weight_transfer_routes(app, state) -> None:
     receiver = state.weight_receiver = WeightReceiver(state.engine, config)
 
     async def init_weight_transfer_engine(raw: Request):
-        """Join the trainer's gloo group: ``{"init_info": {"backend": "gloo", "master_address", "master_port",
-        "rank_offset": 1, "world_size": 2, "packed": true}}`` (returns once the trainer has joined too)."""
+        """Join the trainer's group: ``{"init_info": {"master_address", "master_port", "rank_offset": 1,
+        "world_size": 2, "packed": true}}`` as vLLM's (plus ``"backend": "gloo"`` on a gloo server); returns once
+        the trainer has joined too."""
         await asyncio.to_thread(receiver.init, await _required(raw, "init_info"))
         return {"message": "Weight transfer initialized"}
 

@@ -73,3 +73,19 @@ def engine_fixture(max_model_len: int, kv_cache_memory_bytes: int = 64 << 20, po
         eng.shutdown()
 
     return engine
+
+
+def perturbed_vlm_checkpoint(model_dir, out, layer: str = "language_model.layers.1.", std: float = 0.2, seed: int = 1):
+    """Save a copy of the VLM at ``model_dir`` to ``out`` with seeded noise on one decoder layer's weights: a "next
+    step" checkpoint whose answers differ from the original's. Returns ``out``."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if layer in name:
+                p.add_(torch.randn(p.shape, generator=gen) * std)
+    model.save_pretrained(out)
+    return out

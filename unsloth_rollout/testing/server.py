@@ -24,8 +24,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_subprocess(model_dir: str, *args: str, log_path, timeout_s: float = 180.0, env: dict | None = None):
-    """Start ``unsloth-rollout serve model_dir *args`` on a free loopback port; yield its base URL; stop it."""
+def serve_subprocess(model_dir: str, *args: str, log_path, timeout_s: float = 600.0, env: dict | None = None):
+    """Start ``unsloth-rollout serve model_dir *args`` on a free loopback port; yield its base URL; stop it. A server
+    that exits is reported at once; ``timeout_s`` only bounds a start that is slow (its engine warms up its compiled
+    decode step before it answers, minutes on a loaded 2-core machine)."""
     import httpx
 
     port = free_port()

@@ -19,6 +19,11 @@ what a server started with ``--weight-transfer-config '{"backend": "gloo"}'`` re
 ``init_communicator`` and the packed broadcast ``update_named_params`` calls. TRL still walks, names, merges
 (PEFT) and announces the weights, posts every route, and generates over HTTP unchanged.
 
+``allow_grpo_server_mode_without_vllm()`` is for a CUDA trainer without vLLM installed, against a server started
+with ``--weight-transfer-config '{"backend": "nccl"}'``: TRL's client runs as shipped (its ``init_communicator``,
+CUDA check and ``init_info`` included) and only the three vLLM functions it calls are supplied: ``get_ip``,
+``trainer_init`` (``models.nccl_wire``'s trainer end of vLLM's NCCL rendezvous) and the packed broadcast producer.
+
 Example::
 
     restore = allow_async_grpo_on_cpu()
@@ -31,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 import threading
 import types
@@ -92,6 +98,18 @@ def _ip_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
+def vllm_get_ip() -> str:
+    """vLLM's ``get_ip``, the address a server dials to reach this trainer: ``$VLLM_HOST_IP``, else this machine's
+    address on its default route, else loopback (a machine without a network)."""
+    ip = os.environ.get("VLLM_HOST_IP")
+    if ip:
+        return ip
+    try:
+        return _ip_towards("8.8.8.8")
+    except OSError:
+        return "127.0.0.1"
+
+
 def _gloo_init_communicator(self, device=0):
     """TRL 1.16's ``VLLMClient.init_communicator`` with gloo for NCCL: the same server_info check, init_info
     (trainer rank 0, workers from rank_offset 1, packed; plus ``backend: "gloo"``, which the server requires) and
@@ -120,26 +138,12 @@ def _gloo_init_communicator(self, device=0):
     atexit.register(self.close_communicator)
 
 
-def allow_grpo_server_mode_on_cpu():
-    """Let ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` sync weights over gloo (see the module docstring);
-    returns ``restore()``."""
-    import trl.generation.vllm_client as client_mod
-    import trl.generation.vllm_generation as generation_mod
-
-    from ..models.weight_wire import packed_broadcast_producer
-
+def _patch(items):
+    """Set ``(owner, name, value)`` attributes; returns ``restore()``, which puts back (or deletes) each one."""
     missing = object()
-    saved = [(client_mod, "is_vllm_available", client_mod.is_vllm_available),
-             (generation_mod, "is_vllm_available", generation_mod.is_vllm_available),
-             (client_mod.VLLMClient, "init_communicator", client_mod.VLLMClient.init_communicator),
-             (client_mod, "_HAS_STATEFUL_TRAINER_ENGINE", client_mod._HAS_STATEFUL_TRAINER_ENGINE),
-             (client_mod, "packed_nccl_broadcast_producer",
-              getattr(client_mod, "packed_nccl_broadcast_producer", missing))]
-    client_mod.is_vllm_available = generation_mod.is_vllm_available = lambda *a, **k: True
-    client_mod.VLLMClient.init_communicator = _gloo_init_communicator
-    # vLLM >= 0.28's trainer path in TRL: packed broadcast from rank 0 over the communicator.
-    client_mod._HAS_STATEFUL_TRAINER_ENGINE = True
-    client_mod.packed_nccl_broadcast_producer = packed_broadcast_producer
+    saved = [(owner, name, getattr(owner, name, missing)) for owner, name, _ in items]
+    for owner, name, value in items:
+        setattr(owner, name, value)
 
     def restore():
         for owner, name, value in saved:
@@ -149,3 +153,47 @@ def allow_grpo_server_mode_on_cpu():
                 setattr(owner, name, value)
 
     return restore
+
+
+def _nccl_trainer_init(init_info):
+    """vLLM's ``trainer_init`` without vLLM: rank 0 of the NCCL group, on the current CUDA device."""
+    from ..models.nccl_wire import NcclTransferGroup
+
+    return NcclTransferGroup.host(init_info["master_address"], init_info["master_port"], init_info["world_size"],
+                                  device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def allow_grpo_server_mode_without_vllm():
+    """Let TRL's ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` on a CUDA trainer sync weights over NCCL with
+    vLLM not installed (see the module docstring); returns ``restore()``."""
+    import trl.generation.vllm_client as client_mod
+    import trl.generation.vllm_generation as generation_mod
+
+    from ..models.weight_wire import packed_broadcast_producer
+
+    def available(*a, **k):
+        return True
+
+    return _patch([(client_mod, "is_vllm_available", available), (generation_mod, "is_vllm_available", available),
+                   (client_mod, "get_ip", vllm_get_ip), (client_mod, "_HAS_STATEFUL_TRAINER_ENGINE", True),
+                   (client_mod, "open_trainer_endpoint", _nccl_trainer_init),
+                   (client_mod, "packed_nccl_broadcast_producer", packed_broadcast_producer)])
+
+
+def allow_grpo_server_mode_on_cpu():
+    """Let ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` sync weights over gloo (see the module docstring);
+    returns ``restore()``."""
+    import trl.generation.vllm_client as client_mod
+    import trl.generation.vllm_generation as generation_mod
+
+    from ..models.weight_wire import packed_broadcast_producer
+
+    def available(*a, **k):
+        return True
+
+    # _HAS_STATEFUL_TRAINER_ENGINE: vLLM >= 0.28's trainer path in TRL, a packed broadcast from rank 0 over the
+    # communicator.
+    return _patch([(client_mod, "is_vllm_available", available), (generation_mod, "is_vllm_available", available),
+                   (client_mod.VLLMClient, "init_communicator", _gloo_init_communicator),
+                   (client_mod, "_HAS_STATEFUL_TRAINER_ENGINE", True),
+                   (client_mod, "packed_nccl_broadcast_producer", packed_broadcast_producer)])

@@ -41,9 +41,15 @@ def toy_reward(stop_ids):
 
 def grpo_config(output_dir: str, steps: int, *, lr: float = 3e-2, num_generations: int = 8,
                 prompts_per_step: int = 4, max_completion_length: int = 8, seed: int = 0, **overrides):
+    """A small CPU GRPOConfig; ``overrides`` are any other GRPOConfig fields.
+
+    Precision is TRL's default (``bf16=True``: bf16 autocast mixed precision, also on CPU), what a user who copies
+    TRL's quick start trains with; the engine samples in the model's own dtype under it. Pass ``bf16=False`` for a
+    float32 trainer, whose recompute of the sampled tokens is then an exact oracle of the engine's logprobs.
+    """
     from trl import GRPOConfig
 
-    kw = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, num_generations=num_generations,
+    kw = dict(output_dir=output_dir, use_cpu=True, num_generations=num_generations,
               per_device_train_batch_size=num_generations * prompts_per_step,
               max_completion_length=max_completion_length,
               max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,

@@ -46,7 +46,8 @@ def run_toy_grpo(model: str = "tiny-vlm", steps: int = 30, out: str | None = Non
     output_dir = output_dir or tempfile.mkdtemp(prefix="unsloth_rollout_trl_")
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.processor or policy.tokenizer,
                           reward_funcs=toy_reward(engine.eos_ids),
-                          args=grpo_config(output_dir, steps, lr=lr, seed=seed),
+                          # a float32 trainer: its recompute of every sampled token is the record's exactness check
+                          args=grpo_config(output_dir, steps, lr=lr, seed=seed, bf16=False),
                           train_dataset=ds, rollout_func=rf)
     t0 = time.perf_counter()
     trainer.train()

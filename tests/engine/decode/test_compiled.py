@@ -280,7 +280,7 @@ def test_engine_follows_peft_switches_without_weights_changed(served):
     them with ``weights_changed``: ``with model.disable_adapter():``, ``set_scale``, ``merge_adapter`` /
     ``unmerge_adapter``. The engine serves the model as it is at each step (HF generate under the same switch):
     a prompt cached under LoRA is not reused with the adapter off, a trusted compiled step traced with LoRA on
-    does not run with it off (before the fix: the prefill ran the base model, the decode steps the LoRA one), and
+    does not run with it off (else the prefill would run the base model and the decode steps the LoRA one), and
     once the switch is back the trusted steps resume."""
     from unsloth_rollout.models.adapters import tuner_layers
 

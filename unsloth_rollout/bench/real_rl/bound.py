@@ -10,8 +10,7 @@ generate samples too (seeded, ``n`` per prompt) and is scored at T, as the run's
 
 from __future__ import annotations
 
-FLOOR = 1e-5
-FACTOR = 1.5
+from ...testing.oracles import parity_bound
 
 
 def hf_generate_distance(policy, prompts: list[list[dict]], max_new_tokens: int = 16, temperature: float = 1.0,
@@ -47,5 +46,6 @@ def hf_generate_distance(policy, prompts: list[list[dict]], max_new_tokens: int 
 
 
 def fp32_bound(distance: float) -> float:
-    """The bound for a checkpoint whose HF generate() is ``distance`` from a teacher-forced forward."""
-    return max(FLOOR, FACTOR * distance)
+    """The bound for a checkpoint whose HF generate() is ``distance`` from a teacher-forced forward (the tests' rule,
+    ``unsloth_rollout.testing.oracles.parity_bound``)."""
+    return parity_bound(distance)

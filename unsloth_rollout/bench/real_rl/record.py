@@ -1,4 +1,5 @@
-"""The record of a real-weights GRPO run: per-path summaries, the issue's criteria, the JSON and the plot."""
+"""The record of a real-weights GRPO run: per-path summaries, the criteria each engine path is held to, the JSON
+and the plot."""
 
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ def two_se_of_difference(p1: float, p2: float, n: int) -> float:
 
 
 def criteria(results: dict[str, dict], bnd: dict, samples_per_step: int) -> dict:
-    """The issue's "done when", per engine path, against TRL's own-generation run, at the step count every path
-    reached (all of them, unless the run was stopped)."""
+    """Per engine path, against TRL's own-generation run, at the step count every path reached (all of them,
+    unless the run was stopped): the reward rises beyond noise and ends within noise of TRL's own run, logprobs
+    stay within their bounds every step, and generation takes at most half TRL's time."""
     common = min((len(r["steps"]) for r in results.values()), default=0)
     cut = {k: {"steps": r["steps"][:common],
                "summary": summarize([StepRecord(**x) for x in r["steps"][:common]])} for k, r in results.items()}

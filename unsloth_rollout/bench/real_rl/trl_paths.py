@@ -23,12 +23,13 @@ LOGP_KEY = "sampling/sampling_logp_difference/max"
 
 
 def grpo_args(s: RunSettings, output_dir: str):
-    """The GRPOConfig both TRL paths train with."""
+    """The GRPOConfig both TRL paths train with (a float32 trainer: its recompute is what the logprob checks hold
+    each path's sampled tokens to)."""
     from ...testing.trl_toy import grpo_config
 
     return grpo_config(output_dir, s.steps, lr=s.lr, num_generations=s.group, prompts_per_step=s.prompts_per_step,
                        max_completion_length=s.max_new_tokens, seed=s.seed, temperature=s.temperature,
-                       shuffle_dataset=False, loss_type="dapo", epsilon=0.2, scale_rewards="group")
+                       shuffle_dataset=False, loss_type="dapo", epsilon=0.2, scale_rewards="group", bf16=False)
 
 
 def load_policy(s: RunSettings):

@@ -22,8 +22,9 @@ step records that step once per shape and replays it:
   recording baked in, an op that read host state) switches graphs off for the engine, logged and counted in
   ``stats()["decode_graphs_disabled"]``; the step's result is the unrecorded one. Capture errors do the same.
 
-CUDA only, and off by default: not yet measured on a GPU. On a CPU the capture is replaced by a stand-in that
-re-runs the recorded function on the graph's buffers (tests), which exercises everything but the CUDA recording.
+Off by default: no GPU measurement of it is recorded yet (``bash benchmarks/gpu/device_check.sh captured`` makes
+one). On a CPU the capture is replaced by a stand-in that re-runs the recorded function on the graph's buffers, which
+exercises everything but the CUDA recording itself.
 """
 
 from __future__ import annotations
