@@ -15,6 +15,7 @@ import inspect
 import numpy as np
 import torch
 
+from .. import bitwise
 from ..logs import get_logger
 from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
 from ..models.families import check_supported, text_dims
@@ -42,6 +43,12 @@ class ModelRunner:
                  shared_prefix_min_tokens: int | None = None, decode_layers_per_call: int | None = None):
         self.policy = policy
         self.kv = kv_cache
+        # Bitwise on-policy mode (unsloth_rollout/bitwise.py): the eager step whose ops the mode makes invariant; the
+        # compiled step is refused by name, the CPU decode kernel and the shared-prefix split are off.
+        self.bitwise = bitwise.enabled(policy)
+        if self.bitwise:
+            decode_backend = bitwise.decode_backend(policy, decode_backend, compile_decode, compile_mode)
+            compile_decode, shared_prefix_decode, cpu_attention_kernel = False, False, False
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.vision_token_ids = frozenset(vision_token_ids)  # tokens whose embedding needs the prompt's pixels
         if decode_backend not in (*DECODE_BACKENDS, "auto"):
@@ -105,14 +112,15 @@ class ModelRunner:
         """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row.
         ``adapters``: one adapter name per row ("__base__": none), selected by ``adapter_scope`` and put back after
         the forward, also when it raises; None: the model's active adapter."""
-        ctx.inner, ctx.kernel = self._inner, self._kernel
+        ctx.inner, ctx.kernel, ctx.bitwise = self._inner, self._kernel, self.bitwise
         cfg = self._text_config
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME  # the engine holds policy.lock: nothing else runs now
         set_current(ctx)
         self._last_ctx = ctx
         try:
-            with served_adapters.adapter_scope(self.policy.model, adapters):
+            with served_adapters.adapter_scope(self.policy.model, adapters), bitwise.engine_ops(self.policy,
+                                                                                                 self.bitwise):
                 out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                         use_cache=True, logits_to_keep=1 if keep is None else keep,
                                         **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)
