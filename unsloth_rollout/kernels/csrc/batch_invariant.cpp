@@ -16,7 +16,8 @@
 //   vector approximation that a batch's tail would replace by the scalar one.
 //
 // Built at first use by unsloth_rollout/kernels/build.py and run on the OpenMP runtime torch loaded, with torch's
-// thread count; threads split outputs, never a reduction.
+// thread count; threads split outputs, never a reduction, and only calls of at least GRAIN multiply-adds (or
+// elements) start them (as ATen's grain size: waking a team costs more than a small call).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -25,6 +26,7 @@
 
 #define INL static inline __attribute__((always_inline))
 #define NL 16  // lanes of every fixed-length reduction
+#define GRAIN 32768
 
 typedef float vf __attribute__((vector_size(4 * NL)));
 typedef float vfu __attribute__((vector_size(4 * NL), aligned(4)));
@@ -116,7 +118,7 @@ extern "C" int bi_matmul_f32(const float *a, const float *b, float *o, int64_t b
     if (batch < 0 || M < 0 || N < 0 || K < 0) return 1;
     const int64_t mblocks = (M + MB - 1) / MB, nblocks = (N + NB - 1) / NB;
     const int64_t tasks = batch * mblocks * nblocks;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (batch * M * N * K >= GRAIN && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t bi = t / (mblocks * nblocks), rem = t % (mblocks * nblocks);
         const int64_t n_lo = (rem / mblocks) * NB, m_lo = (rem % mblocks) * MB;
@@ -137,7 +139,7 @@ extern "C" int bi_matmul_f32(const float *a, const float *b, float *o, int64_t b
 // ------------------------------------------------------------------ row reductions
 // out[r] = the sum of x[r, 0 .. n - 1] (rows ldx apart, each contiguous).
 extern "C" int bi_rowsum_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t ldx, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * n >= GRAIN && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * ldx;
         vf acc = {};
@@ -155,7 +157,7 @@ extern "C" int bi_rowsum_f32(const float *x, float *out, int64_t rows, int64_t n
 extern "C" int bi_softmax_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t ldx, int64_t ldo, int mode,
                               int nthreads) {
     if (mode < 0 || mode > 2) return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * n >= GRAIN && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * ldx;
         float m = -INFINITY;
@@ -220,7 +222,7 @@ INL float unary(int op, float x, float p0, float p1) {
 // out[i] = f(x[i]) for contiguous x and out; f the same scalar code for every element.
 extern "C" int bi_unary_f32(int op, const float *x, float *out, int64_t n, float p0, float p1, int nthreads) {
     if (op < 0 || op >= NUM_UNARY) return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= GRAIN)
     for (int64_t i = 0; i < n; i++) out[i] = unary(op, x[i], p0, p1);
     return 0;
 }
@@ -240,7 +242,7 @@ extern "C" int bi_attention_f32(const float *q, const float *k, const float *v, 
     if (KV <= 0 || H % KV != 0 || D <= 0) return 1;
     const int64_t G = H / KV, tasks = B * H * Q, chunks = (D + NL - 1) / NL;
     int bad = 0;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (tasks * Lk * D >= GRAIN && tasks > 1)
     {
         float *s = (float *)malloc(sizeof(float) * (Lk > 0 ? Lk : 1));
         int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (Lk > 0 ? Lk : 1));
