@@ -388,6 +388,20 @@ def _sum(x, dim=None, keepdim=False, *, dtype=None):
     return row_sum(x, dim, keepdim)
 
 
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """Mixture-of-Experts' grouped matmul, ``a`` ``[M, K]`` rows grouped by ``offs`` (cumulative ends) against ``b``
+    ``[G, K, N]``: each group's rows through ``matmul``, so a token's result does not depend on its group's size."""
+    if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, torch.float32):
+        return _refuse(aten._grouped_mm.default, "a grouped matmul other than [M, K] rows grouped against [G, K, N]")
+    out = a.new_empty((a.shape[0], b.shape[-1]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = matmul(a[start:end], b[g])
+        start = end
+    return out
+
+
 def _mean(x, dim=None, keepdim=False, *, dtype=None):
     if dtype not in (None, torch.float32):
         return _refuse(aten.mean.dim, f"a mean in {dtype}")
@@ -539,11 +553,38 @@ def _index_put(x, indices, values, accumulate=False):
     return aten.index_put.default(x, indices, values, False)
 
 
-def _arange(*args, **kw):
-    values = [a for a in args if isinstance(a, (int, float))]
-    if any(float(a) != int(a) for a in values):
-        _refuse(aten.arange.default, "a floating arange with a fractional start or step")
-    return None  # run as it is: integer-valued floats are exact
+def _arange(func, args, kwargs):
+    """A floating ``arange`` as ``start + step * i`` per element in float64, then rounded: ATen's vector lanes and
+    scalar tail round it differently, so an element's value would depend on the length asked for."""
+    dtype = kwargs.get("dtype")
+    if dtype is None or not dtype.is_floating_point:
+        return func(*args, **kwargs)
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) > 2 else 1)
+    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
+    i = torch.arange(n, dtype=torch.int64, device=kwargs.get("device")).to(torch.float64)
+    return (i * float(step) + float(start)).to(dtype)
+
+
+def _cumsum(x, dim, *, dtype=None):
+    """A floating cumulative sum is exact, whatever its order, only over integer values below 2^24 (counts, as
+    Mixture-of-Experts routing builds them); any other is refused by name."""
+    if not (torch.equal(x, x.round()) and float(x.abs().sum()) < 2 ** 24):
+        return _refuse(aten.cumsum.default, "a cumulative sum of non-integer floats")
+    return aten.cumsum.default(x, dim, dtype=dtype)
+
+
+def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    """Average pooling over non-overlapping windows (stride = kernel, no padding): each window's fixed-order sum over
+    its size; any other pooling is refused by name."""
+    ks = list(kernel_size) * (2 if len(kernel_size) == 1 else 1)
+    st = list(stride or ks) * (2 if len(stride or ks) == 1 else 1)
+    pad = [padding] * 2 if isinstance(padding, int) else list(padding) * (2 if len(padding) == 1 else 1)
+    h, w = x.shape[-2:]
+    if st != ks or any(pad) or h % ks[0] or w % ks[1]:
+        return _refuse(aten.avg_pool2d.default, "an average pooling other than over non-overlapping windows")
+    win = x.unfold(-2, ks[0], ks[0]).unfold(-2, ks[1], ks[1])  # [..., H/k, W/k, k0, k1]
+    return row_sum(win, [-2, -1]) / (divisor_override or ks[0] * ks[1])
 
 
 def _refuse(func, what: str):
@@ -564,7 +605,8 @@ _REPLACED = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
     aten.add.Tensor: _add, aten.add.Scalar: _add, aten.sub.Tensor: _sub, aten.sub.Scalar: _sub,
     aten.rsub.Tensor: _rsub, aten.rsub.Scalar: _rsub, aten.native_dropout.default: _dropout,
-    aten.index_add.default: _index_add, aten.index_put.default: _index_put,
+    aten.index_add.default: _index_add, aten.index_put.default: _index_put, aten.avg_pool2d.default: _avg_pool2d,
+    aten.cumsum.default: _cumsum, aten._grouped_mm.default: _grouped_mm,
     **{getattr(aten, name).default: _unary(name) for name in (
         "exp", "log", "sin", "cos", "tanh", "sigmoid", "silu", "rsqrt", "erf", "expm1", "log1p", "exp2", "log2",
         "erfc", "tan", "atan")},
@@ -589,7 +631,7 @@ _EXACT = {getattr(aten, name) for name in (
     "searchsorted", "add_", "sub_", "square", "_assert_tensor_metadata", "_assert_async", "resize_", "set_",
     "_has_compatible_shallow_copy_type", "is_same_size", "squeeze_", "unsqueeze_", "view_as_real", "diagonal",
     "expand_as", "movedim", "_reshape_alias", "new_empty_strided", "sym_size", "sym_stride", "sym_numel",
-    "sym_storage_offset", "randperm")}
+    "sym_storage_offset", "randperm", "histc", "im2col", "one_hot", "bincount")}
 
 # In-place and out= variants of replaced ops: computed out of place, then copied.
 _INPLACE = {getattr(aten, f"{name}_"): getattr(aten, name) for name in (
@@ -605,8 +647,7 @@ class InvariantOps(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         if packet is aten.arange:
-            _arange(*args, **kwargs)
-            return func(*args, **kwargs)
+            return _arange(func, args, kwargs)
         if not _float_tensors(args, kwargs) or "backward" in packet.__name__:  # integers; gradients: any formula
             return func(*args, **kwargs)
         impl = _REPLACED.get(func)

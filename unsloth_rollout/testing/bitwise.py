@@ -23,7 +23,18 @@ def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, 
     """Each output's ``log_softmax(logits / T)[token]`` from one batch forward over all of them (``padding`` "right",
     as AReaL's batches, or "left", as TRL's prompts), with ``bitwise.mode`` (``on=False``: the plain forward, whose
     logprobs differ in the last bits). ``vision[i]``: output i's Qwen-VL ``pixel_values`` / ``image_grid_thw`` (None:
-    text). Returns one float32 tensor per output."""
+    text), or another family's processor outputs for its prompt, whose sample is then scored in a forward of its
+    own (as ``oracles.teacher_forced`` feeds them). Returns one float32 tensor per output."""
+    vision = list(vision) if vision is not None else [None] * len(outputs)
+    alone = [i for i, v in enumerate(vision) if v is not None and set(v) - {"pixel_values", "image_grid_thw"}]
+    if alone:
+        batched = [i for i in range(len(outputs)) if i not in alone]
+        res = dict(zip(batched, trainer_logprobs(policy, [outputs[i] for i in batched],
+                                                 [temperatures[i] for i in batched], [vision[i] for i in batched],
+                                                 padding, on) if batched else []))
+        for i in alone:
+            res[i] = _alone(policy, outputs[i], temperatures[i], vision[i], on)
+        return [res[i] for i in range(len(outputs))]
     rows = [list(o.prompt_ids) + list(o.output_ids) for o in outputs]
     width = max(map(len, rows))
     pad = [width - len(r) for r in rows]
@@ -65,6 +76,37 @@ def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, 
             lp = torch.log_softmax(lg.float() / temperatures[i], dim=-1)
             out.append(lp.gather(-1, ids_t[i, start:start + n].unsqueeze(-1)).squeeze(-1).cpu())
     return out
+
+
+def _alone(policy, output, temperature, mm: dict, on: bool) -> torch.Tensor:
+    """One sample's logprobs from a forward of its own with its prompt's processor outputs (per-token ones extended
+    over the output as text)."""
+    dev = policy.device
+    ids = torch.tensor([list(output.prompt_ids) + list(output.output_ids)], device=dev)
+    n, k = len(output.prompt_ids), len(output.output_ids)
+    kw = {key: v for key, v in mm.items() if key not in ("input_ids", "attention_mask") and v is not None}
+    for key in ("token_type_ids", "mm_token_type_ids"):
+        if key in kw and kw[key].shape[-1] == n:
+            kw[key] = torch.nn.functional.pad(kw[key], (0, k))
+    if "pixel_values" in kw:
+        kw["pixel_values"] = kw["pixel_values"].to(policy.dtype)
+    kw = {key: v.to(dev) if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
+    with policy.lock, torch.no_grad():
+        was_training = policy.model.training
+        policy.model.eval()
+        policy.clear_rope_deltas()
+        try:
+            with bitwise.mode(policy) if on else contextlib.nullcontext():
+                logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                                      **kw).logits[0, n - 1:n - 1 + k]
+        finally:
+            policy.clear_rope_deltas()
+            if was_training:
+                policy.model.train()
+    if on:
+        return bitwise.token_logprobs(logits, ids[0, n:], temperature).cpu()
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, ids[0, n:].unsqueeze(-1)).squeeze(-1).cpu()
 
 
 def unequal(outputs, logprobs) -> list[tuple[int, float]]:
