@@ -631,7 +631,7 @@ _EXACT = {getattr(aten, name) for name in (
     "searchsorted", "add_", "sub_", "square", "_assert_tensor_metadata", "_assert_async", "resize_", "set_",
     "_has_compatible_shallow_copy_type", "is_same_size", "squeeze_", "unsqueeze_", "view_as_real", "diagonal",
     "expand_as", "movedim", "_reshape_alias", "new_empty_strided", "sym_size", "sym_stride", "sym_numel",
-    "sym_storage_offset", "randperm", "histc", "im2col", "one_hot", "bincount")}
+    "sym_storage_offset", "randperm", "histc", "im2col", "one_hot", "bincount", "equal")}
 
 # In-place and out= variants of replaced ops: computed out of place, then copied.
 _INPLACE = {getattr(aten, f"{name}_"): getattr(aten, name) for name in (
