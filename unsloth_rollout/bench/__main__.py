@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(DEFAULT_BACKENDS)}; also engine-static, the engine with the captured decode "
                         "forced on, engine-eager, the engine with every decode step eager (the default, "
                         "decode_backend auto, is captured on CPU), and "
-                        "engine-whole-rows, the engine without shared-prefix decode; "
+                        "engine-whole-rows, the engine without shared-prefix decode, engine-bitwise, the engine "
+                        "under the bitwise on-policy mode (its row also times a trainer step with and without "
+                        "the mode); "
                         "for --workload long the engine's decode backends "
                         f"{','.join(LONG_DEFAULTS['backends'])}; add 'static' for the captured decode beside the "
                         "eager ones)")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import bitwise
 from ..logs import get_logger
 from ..models.families import text_dims
 from .attention import ModelNotServableError
@@ -88,9 +87,7 @@ class EngineCore:
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.suppress_vision_tokens) else []
-        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
-        if self.runner.bitwise:  # bitwise on-policy mode: the log-softmax the trainer's recompute runs (bitwise.py)
-            self.sampler.log_softmax = bitwise.log_softmax
+        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed, self.runner.log_softmax)
         self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_prefill_tokens, config.prefix_cache)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)

@@ -46,6 +46,7 @@ class ModelRunner:
         # Bitwise on-policy mode (unsloth_rollout/bitwise.py): the eager step whose ops the mode makes invariant; the
         # compiled step is refused by name, the CPU decode kernel and the shared-prefix split are off.
         self.bitwise = bitwise.enabled(policy)
+        self.log_softmax = bitwise.log_softmax if self.bitwise else torch.log_softmax  # the sampler's (core.py)
         if self.bitwise:
             decode_backend = bitwise.decode_backend(policy, decode_backend, compile_decode, compile_mode)
             compile_decode, shared_prefix_decode, cpu_attention_kernel = False, False, False

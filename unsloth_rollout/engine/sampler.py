@@ -91,12 +91,13 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int], seed: int | None = None):
+    def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int], seed: int | None = None,
+                 log_softmax=torch.log_softmax):
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.suppress_ids = list(suppress_ids)
         self.rng = random.Random(seed)
-        self.log_softmax = torch.log_softmax  # the bitwise on-policy mode's own under it (core.py)
+        self.log_softmax = log_softmax  # of the raw logprobs: the bitwise on-policy mode's own under it (runner.py)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """``logits``: [B, V'] raw logits for the next token of each sequence (V' >= vocab). Per-row parameters

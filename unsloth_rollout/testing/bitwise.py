@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -35,6 +36,34 @@ def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, 
         for i in alone:
             res[i] = _alone(policy, outputs[i], temperatures[i], vision[i], on)
         return [res[i] for i in range(len(outputs))]
+    kw, starts = batch_inputs(policy, outputs, vision, padding)
+    ids_t = kw["input_ids"]
+    with policy.lock, torch.no_grad():
+        was_training = policy.model.training
+        policy.model.eval()
+        policy.clear_rope_deltas()
+        try:
+            with bitwise.mode(policy) if on else contextlib.nullcontext():
+                logits = policy.model(**kw).logits
+        finally:
+            policy.clear_rope_deltas()
+            if was_training:
+                policy.model.train()
+    out = []
+    for i, o in enumerate(outputs):
+        start, n = starts[i], len(o.output_ids)
+        lg = logits[i, start - 1:start - 1 + n]
+        if on:
+            out.append(bitwise.token_logprobs(lg, ids_t[i, start:start + n], temperatures[i]).cpu())
+        else:
+            lp = torch.log_softmax(lg.float() / temperatures[i], dim=-1)
+            out.append(lp.gather(-1, ids_t[i, start:start + n].unsqueeze(-1)).squeeze(-1).cpu())
+    return out
+
+
+def batch_inputs(policy, outputs, vision: list | None = None, padding: str = "right") -> tuple[dict, list[int]]:
+    """(forward kwargs of one padded batch of every output's prompt + output, where each output's first token sits in
+    its row). ``vision`` as in ``trainer_logprobs`` (Qwen-VL pixels only)."""
     rows = [list(o.prompt_ids) + list(o.output_ids) for o in outputs]
     width = max(map(len, rows))
     pad = [width - len(r) for r in rows]
@@ -54,28 +83,31 @@ def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, 
         kw["mm_token_type_ids"] = mm_token_type_ids(ids_t, policy.config)
     if not family_of(policy.config).mrope:
         kw["position_ids"] = bitwise.position_ids(mask_t)
-    with policy.lock, torch.no_grad():
-        was_training = policy.model.training
-        policy.model.eval()
+    starts = [(pad[i] if padding == "left" else 0) + len(o.prompt_ids) for i, o in enumerate(outputs)]
+    return kw, starts
+
+
+def train_step_seconds(policy, outputs, temperatures, vision: list | None = None, on: bool = True) -> float:
+    """Seconds of one trainer step's forward + backward over ``outputs`` (the loss: minus their summed logprobs, the
+    forward under ``bitwise.mode`` or not), in training mode; the gradients are dropped after."""
+    kw, starts = batch_inputs(policy, outputs, vision)
+    ids = kw["input_ids"]
+    with policy.lock, policy.training():
+        policy.model.zero_grad(set_to_none=True)
         policy.clear_rope_deltas()
-        try:
-            with bitwise.mode(policy) if on else contextlib.nullcontext():
-                logits = policy.model(**kw).logits
-        finally:
-            policy.clear_rope_deltas()
-            if was_training:
-                policy.model.train()
-    out = []
-    for i, o in enumerate(outputs):
-        start = (pad[i] if padding == "left" else 0) + len(o.prompt_ids)
-        n = len(o.output_ids)
-        lg = logits[i, start - 1:start - 1 + n]
-        if on:
-            out.append(bitwise.token_logprobs(lg, ids_t[i, start:start + n], temperatures[i]).cpu())
-        else:
-            lp = torch.log_softmax(lg.float() / temperatures[i], dim=-1)
-            out.append(lp.gather(-1, ids_t[i, start:start + n].unsqueeze(-1)).squeeze(-1).cpu())
-    return out
+        t0 = time.perf_counter()
+        with bitwise.mode(policy) if on else contextlib.nullcontext():
+            logits = policy.model(**kw).logits
+            loss = logits.new_zeros(())
+            for i, o in enumerate(outputs):
+                n = len(o.output_ids)
+                lg = logits[i, starts[i] - 1:starts[i] - 1 + n].float() / temperatures[i]
+                loss = loss - torch.log_softmax(lg, -1).gather(-1, ids[i, starts[i]:starts[i] + n, None]).sum()
+        loss.backward()
+        seconds = time.perf_counter() - t0
+        policy.model.zero_grad(set_to_none=True)
+        policy.clear_rope_deltas()
+    return seconds
 
 
 def _alone(policy, output, temperature, mm: dict, on: bool) -> torch.Tensor:
