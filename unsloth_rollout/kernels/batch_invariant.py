@@ -511,23 +511,17 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
-def _add(x, other, *args, alpha=1, **kw):
-    alpha = args[0] if args else alpha
+def _with_alpha(func, args, kwargs):
+    """``add`` / ``sub`` / ``rsub`` (any overload: in place, out=): exact with ``alpha`` 1; otherwise the scaled operand
+    is multiplied first (ATen's vector path fuses ``other * alpha + self`` into one FMA, its scalar tail does not)."""
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     if alpha == 1:
-        return aten.add.Tensor(x, other) if isinstance(other, torch.Tensor) else aten.add.Scalar(x, other)
-    return torch.add(x, torch.mul(other, alpha))
-
-
-def _sub(x, other, *args, alpha=1, **kw):
-    alpha = args[0] if args else alpha
-    if alpha == 1:
-        return aten.sub.Tensor(x, other) if isinstance(other, torch.Tensor) else aten.sub.Scalar(x, other)
-    return torch.sub(x, torch.mul(other, alpha))
-
-
-def _rsub(x, other, *args, alpha=1, **kw):
-    alpha = args[0] if args else alpha
-    return torch.sub(other, x if alpha == 1 else torch.mul(x, alpha))
+        return func(*args, **kwargs)
+    kwargs = {**kwargs, "alpha": 1} if "alpha" in kwargs or len(args) < 3 else kwargs
+    args = list(args[:2]) + ([1] if len(args) > 2 else [])
+    scaled = 0 if func.overloadpacket is aten.rsub else 1
+    args[scaled] = torch.mul(args[scaled], alpha)
+    return func(*args, **kwargs)
 
 
 def _dropout(x, p, train):
@@ -603,8 +597,7 @@ _REPLACED = {
     aten.gelu.default: _gelu, aten.pow.Tensor_Scalar: _pow, aten.pow.Tensor_Tensor: _pow,
     aten.softplus.default: _softplus, aten.convolution.default: _convolution,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
-    aten.add.Tensor: _add, aten.add.Scalar: _add, aten.sub.Tensor: _sub, aten.sub.Scalar: _sub,
-    aten.rsub.Tensor: _rsub, aten.rsub.Scalar: _rsub, aten.native_dropout.default: _dropout,
+    aten.native_dropout.default: _dropout,
     aten.index_add.default: _index_add, aten.index_put.default: _index_put, aten.avg_pool2d.default: _avg_pool2d,
     aten.cumsum.default: _cumsum, aten._grouped_mm.default: _grouped_mm,
     **{getattr(aten, name).default: _unary(name) for name in (
@@ -628,9 +621,9 @@ _EXACT = {getattr(aten, name) for name in (
     "bitwise_or", "bitwise_not", "bitwise_xor", "isnan", "isinf", "isfinite", "nan_to_num", "max", "min", "amax",
     "amin", "argmax", "argmin", "sort", "topk", "_is_all_true", "all", "any", "nonzero", "unique_consecutive",
     "_unique2", "scatter", "scatter_", "index_put_", "index_copy", "index_copy_", "masked_select", "bucketize",
-    "searchsorted", "add_", "sub_", "square", "_assert_tensor_metadata", "_assert_async", "resize_", "set_",
+    "searchsorted", "square", "_assert_tensor_metadata", "_assert_async", "resize_", "set_",
     "_has_compatible_shallow_copy_type", "is_same_size", "squeeze_", "unsqueeze_", "view_as_real", "diagonal",
-    "expand_as", "movedim", "_reshape_alias", "new_empty_strided", "sym_size", "sym_stride", "sym_numel",
+    "expand_as", "movedim", "_reshape_alias", "sym_size", "sym_stride", "sym_numel",
     "sym_storage_offset", "randperm", "histc", "im2col", "one_hot", "bincount", "equal")}
 
 # In-place and out= variants of replaced ops: computed out of place, then copied.
@@ -653,11 +646,8 @@ class InvariantOps(TorchDispatchMode):
         impl = _REPLACED.get(func)
         if impl is not None:
             return impl(*args, **kwargs)
-        if packet in (aten.add_, aten.sub_):
-            alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
-            if alpha == 1:
-                return func(*args, **kwargs)
-            return args[0].copy_((_add if packet is aten.add_ else _sub)(args[0], args[1], alpha=alpha))
+        if packet in (aten.add, aten.add_, aten.sub, aten.sub_, aten.rsub):
+            return _with_alpha(func, args, kwargs)
         if packet in _EXACT:
             return func(*args, **kwargs)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
