@@ -84,8 +84,8 @@ def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, .
     deps = [str(p) for p in link]
     for d in deps:
         extra += [d, f"-Wl,-rpath,{os.path.dirname(d)}"]
-    parts = [src, " ".join(_FLAGS + tuple(flags)).encode(), version.encode(), _cpu_id().encode(), platform.machine().encode(),
-             gomp.encode()]
+    parts = [src, " ".join(_FLAGS + tuple(flags)).encode(), version.encode(), _cpu_id().encode(),
+             platform.machine().encode(), gomp.encode()]
     if torch_id or deps:
         parts += [torch_id.encode(), " ".join(deps).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
