@@ -52,12 +52,11 @@ def test_reductions_and_softmaxes_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("name,ref", [("exp", torch.exp), ("silu", torch.nn.functional.silu), ("tanh", torch.tanh),
-                                      ("rsqrt", lambda t: torch.rsqrt(t.abs() + 1)), ("gelu", torch.nn.functional.gelu)])
+                                      ("rsqrt", torch.rsqrt), ("gelu", torch.nn.functional.gelu)])
 def test_elementwise_functions_are_the_same_bits_at_any_position(name, ref):
     x = torch.randn(1037, generator=_gen(2))
     if name == "rsqrt":
         x = x.abs() + 1
-        ref = torch.rsqrt
     full = bi.unary(name, x)
     assert (full.double() - ref(x.double())).abs().max() < 1e-5
     for a, b in ((0, 1), (5, 9), (1030, 1037), (16, 48)):

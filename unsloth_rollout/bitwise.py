@@ -60,8 +60,8 @@ _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias"
 def check(policy) -> None:
     """Raise ``BitwiseModeError`` unless the mode can run ``policy``: float32 weights on CPU, the kernels built."""
     if policy.device.type != "cpu":
-        raise BitwiseModeError(f"the bitwise on-policy mode runs on CPU only (the model is on {policy.device}); the GPU "
-                               "version (Triton kernels with fixed tiling) needs a device")
+        raise BitwiseModeError(f"the bitwise on-policy mode runs on CPU only (the model is on {policy.device}); the "
+                               "GPU version (Triton kernels with fixed tiling) needs a device")
     if policy.dtype != torch.float32:
         raise BitwiseModeError(f"the bitwise on-policy mode runs float32 models only (this one is {policy.dtype})")
     if not batch_invariant.available():
@@ -179,7 +179,8 @@ def decode_backend(policy, requested: str, compile_decode: bool, compile_mode: s
                                "differently from the trainer's forward; under the bitwise on-policy mode use 'auto', "
                                "'workspace' or 'gather'")
     if compile_mode is not None:
-        raise BitwiseModeError(f"compile_mode={compile_mode!r}: the bitwise on-policy mode runs eager decode steps only")
+        raise BitwiseModeError(f"compile_mode={compile_mode!r}: the bitwise on-policy mode runs eager decode steps "
+                               "only")
     return "workspace" if requested == "auto" else requested
 
 

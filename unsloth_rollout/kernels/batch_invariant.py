@@ -610,7 +610,8 @@ _REPLACED = {
 _EXACT = {getattr(aten, name) for name in (
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
     "select", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow", "as_strided", "unfold",
-    "clone", "_to_copy", "to", "copy_", "contiguous", "cat", "stack", "index", "index_select", "gather", "masked_scatter",
+    "clone", "_to_copy", "to", "copy_", "contiguous", "cat", "stack", "index", "index_select", "gather",
+    "masked_scatter",
     "masked_fill", "masked_fill_", "where", "embedding", "constant_pad_nd", "repeat", "repeat_interleave", "flip",
     "roll", "tril", "triu", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "empty", "empty_like",
     "empty_strided", "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "scalar_tensor",
