@@ -35,6 +35,9 @@ def policy():
 
 def test_real_checkpoint_equals_the_trainers_recompute(policy):
     assert policy.config.model_type == "llama"
+    # One torch thread (the conftest restores the count after): the mode's bits do not depend on it (the other
+    # files run on the default count), and a 30-layer model's many small parallel regions crawl on shared cores.
+    torch.set_num_threads(1)
 
     def req(text, n=1, temperature=1.0, max_new=8):
         return GenerationRequest(messages=[{"role": "user", "content": text}],
