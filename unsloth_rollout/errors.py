@@ -35,5 +35,10 @@ class CacheBypassError(ModelNotServableError):
     """The model's attention did not read and write the engine's KV cache: its output would be wrong."""
 
 
+class BitwiseModeError(ModelNotServableError):
+    """The bitwise on-policy mode cannot make this computation batch-invariant (an op, a device, a dtype or a decode
+    setting it does not cover): refused by name rather than run with logprobs that would differ from the trainer's."""
+
+
 class UnsupportedAttentionError(ModelNotServableError):
     """The model's attention computes something the engine cannot reproduce exactly."""

@@ -38,6 +38,7 @@ from areal.api.io_struct import DeviceRuntimeInfo
 from areal.utils import name_resolve, names, stats_tracker
 from areal.utils.data import concat_padded_tensors
 
+from .. import bitwise
 from ..logs import get_logger
 from ..engine.inputs import mm_token_type_ids
 from ..models import PolicyModel, load_model
@@ -324,9 +325,11 @@ class ColocatedTrainEngine(TrainEngine):
         for k in ("input_ids", "attention_mask", "mm_token_type_ids"):
             if torch.is_tensor(mb.get(k)) and mb[k].dim() == 2:
                 view[k] = mb[k][:, :used]
-        logits = self._logits(view)
-        ids = view["input_ids"].to(logits.device, torch.long)
-        logp, entropy = token_logprobs_entropy(logits, torch.roll(ids, shifts=-1, dims=-1), self.temperature)
+        # the bitwise on-policy mode (unsloth_rollout/bitwise.py): the forward and the log-softmax the engine ran
+        with bitwise.mode(self.policy) if bitwise.enabled(self.policy) else nullcontext():
+            logits = self._logits(view)
+            ids = view["input_ids"].to(logits.device, torch.long)
+            logp, entropy = token_logprobs_entropy(logits, torch.roll(ids, shifts=-1, dims=-1), self.temperature)
         del logits
         valid = torch.roll(view["attention_mask"].to(logp.device).bool(), shifts=-1, dims=-1)
         valid[:, -1] = False

@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated; those that cannot run here are listed with the reason (default "
                         f"{','.join(DEFAULT_BACKENDS)}; also engine-compiled (old name engine-static), the engine "
                         "with the compiled step forced on, engine-eager, the engine with every decode step eager "
-                        "(the default, decode backend auto, is compiled on CPU), and "
-                        "engine-whole-rows, the engine without shared prompts; "
+                        "(the default, decode backend auto, is compiled on CPU), "
+                        "engine-whole-rows, the engine without shared prompts, and engine-bitwise, the engine "
+                        "under the bitwise on-policy mode (its row also times a trainer step with and without "
+                        "the mode); "
                         "for --workload long the engine's decode backends "
                         f"{','.join(LONG_DEFAULTS['backends'])}; add 'compiled' for the compiled step beside the "
                         "eager ones)")

@@ -4,7 +4,8 @@ Each backend turns the workload's requests into ``SampleResult``s (output ids cu
 logprobs it returns, the time its first token appeared). The harness in ``__main__`` times
 ``run()``, samples memory around it and checks logprobs against a teacher-forced forward.
 
-- ``engine``: unsloth_rollout's RolloutEngine, every request submitted at once.
+- ``engine``: unsloth_rollout's RolloutEngine, every request submitted at once (``engine-bitwise``: under the
+  bitwise on-policy mode, with the trainer's side of it measured after the run).
 - ``hf-sequential``: ``model.generate()`` one request at a time, the loop users write by hand.
 - ``hf-batched``: one left-padded ``generate()`` per GRPO group (the group repeated), as TRL does.
 - ``transformers-cb``: transformers' continuous batching manager (text models only).
@@ -507,6 +508,71 @@ class SGLangBackend(Backend):
         self.llm.shutdown()
 
 
+class EngineBitwiseBackend(EngineBackend):
+    """The same engine under the bitwise on-policy mode (``unsloth_rollout/bitwise.py``: batch-invariant ops, eager
+    decode steps): what logprobs equal to the trainer's bit for bit cost against the default engine. Untimed, after
+    the run, its row gets the trainer's side over the first 16 samples: ``bitwise_logprob_diff_max`` (the engine's
+    logprobs against the trainer's recompute under the mode: 0 when the mode holds) and the seconds of one trainer
+    forward + backward over them with and without the mode (``train_step_s`` / ``train_step_plain_s``)."""
+
+    name = "engine-bitwise"
+    trainer_samples = 16
+
+    def unavailable(self, ctx):
+        from .. import bitwise
+
+        try:
+            bitwise.check(ctx.policy)
+        except bitwise.BitwiseModeError as e:
+            return str(e)
+        return None
+
+    def setup(self, ctx):
+        from .. import bitwise
+
+        bitwise.enable(ctx.policy)
+        super().setup(ctx)
+
+    def run(self, ctx, requests, t0, progress):
+        out = super().run(ctx, requests, t0, progress)
+        self._trainer_side = (ctx, {r.index: r for r in requests}, out.samples[:self.trainer_samples], out.extra)
+        return out
+
+    def teardown(self, ctx):
+        from .. import bitwise
+        from ..testing.bitwise import train_step_seconds, trainer_logprobs
+
+        super().teardown(ctx)
+        try:
+            ctx, by_index, samples, extra = self._trainer_side
+            outs = [_Scored(by_index[s.index].prompt_ids, s.output_ids, s.logprobs) for s in samples]
+            temps = [ctx.temperature or 1.0] * len(outs)
+            vision = []
+            for s in samples:
+                image = by_index[s.index].image
+                pv, grid = image_inputs(ctx.policy.processor, [image]) if image is not None else (None, None)
+                vision.append({"pixel_values": pv, "image_grid_thw": grid} if image is not None else None)
+            lps = trainer_logprobs(ctx.policy, outs, temps, vision)
+            extra["bitwise_logprob_diff_max"] = max(
+                (torch.tensor(o.output_logprobs, dtype=torch.float32) - lp).abs().max().item() for o, lp in
+                zip(outs, lps))
+            extra["train_step_s"] = train_step_seconds(ctx.policy, outs, temps, vision)
+            extra["train_step_plain_s"] = train_step_seconds(ctx.policy, outs, temps, vision, on=False)
+            extra["train_step_ratio"] = extra["train_step_s"] / extra["train_step_plain_s"]
+        finally:
+            bitwise.disable(ctx.policy)
+            ctx.policy.inference()
+
+
+@dataclass
+class _Scored:
+    """A sample as the trainer's recompute reads it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+
+
 def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int]:
     """One placeholder per image (the servers expand it with their own processor)."""
     if image_token_id is None:
@@ -516,12 +582,13 @@ def _collapse_image_pads(ids: list[int], image_token_id: int | None) -> list[int
 
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (EngineBackend, HFSequentialBackend, HFBatchedBackend, TransformersCBBackend, VLLMBackend,
-                        SGLangBackend, EngineCompiledBackend, EngineEagerBackend, EngineWholeRowsBackend)
+                        SGLangBackend, EngineCompiledBackend, EngineEagerBackend, EngineWholeRowsBackend,
+                        EngineBitwiseBackend)
 }
 # Old names of backends, still accepted by --backends.
 ALIASES = {"engine-static": EngineCompiledBackend.name}
 # What runs without --backends: every backend but the opt-in variants of the engine: the compiled step forced
-# on, every step eager (the default, "auto", is compiled on CPU: benchmarks/cpu/captured.md), and whole rows
-# (shared prompts off, for comparison).
+# on, every step eager (the default, "auto", is compiled on CPU: benchmarks/cpu/captured.md), whole rows
+# (shared prompts off, for comparison), and the bitwise on-policy mode.
 DEFAULT_BACKENDS = [b for b in BACKENDS if b not in (EngineCompiledBackend.name, EngineEagerBackend.name,
-                                                     EngineWholeRowsBackend.name)]
+                                                     EngineWholeRowsBackend.name, EngineBitwiseBackend.name)]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import bitwise
 from . import internals
 from .decode import cpu_kernel
 from ..errors import CacheBypassError, ModelNotServableError, UnsupportedAttentionError  # noqa: F401  (re-exported)
@@ -71,6 +72,8 @@ class ForwardContext:
     # with ``kernel`` the attention reads exactly those keys through decode/cpu_kernel.py instead of a mask
     lengths: torch.Tensor | None = None
     kernel: bool = False
+    # the bitwise on-policy mode (unsloth_rollout/bitwise.py): attention through its one batch-invariant function
+    bitwise: bool = False
     # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
     seen: set = field(default_factory=set)
     writes: dict = field(default_factory=dict)
@@ -131,7 +134,8 @@ class ForwardContext:
         if self._parts is None:
             self._parts = [ForwardContext("prefill", self.q_pos[:, s:e], self.k_pos[:, s:e], None,
                                           None if self.block is None else self.block[:, s:e],
-                                          causal_fast_path=self.block is None, check=False, inner=self.inner)
+                                          causal_fast_path=self.block is None, check=False, inner=self.inner,
+                                          bitwise=self.bitwise)
                            for s, e in self.spans]
         return self._parts
 
@@ -225,6 +229,8 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwargs) -> torch.Tensor:
     """The attention output ``[B, Q, H, D]`` of ``engine_attention``, for one context."""
+    if ctx.bitwise:  # bitwise on-policy mode: the one batch-invariant attention the trainer's forward runs too
+        return bitwise.attend(query, key, value, ctx.mask(window), scaling, kwargs.get("softcap"))
     inner = ctx.inner
     if inner == "eager" or (kwargs.get("softcap") is not None and inner == "fused"):
         # The modeling file's own eager attention (soft-capping, scaling, GQA as the model defines them),

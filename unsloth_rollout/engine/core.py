@@ -47,7 +47,7 @@ class EngineCore:
         self.runner.probe()  # a model that bypasses the engine's cache is refused here, by name
         self.eos_ids = eos_token_ids(policy)
         suppress = sorted(self._vision_ids) if (policy.is_vlm and config.multimodal.suppress_vision_tokens) else []
-        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed)
+        self.sampler = Sampler(len(self.tokenizer), self.eos_ids, suppress, seed, self.runner.log_softmax)
         self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs (llguidance loaded on first use)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.prefill, config.prefix_cache,
                                    self.runner.vision, self._vision_ids)

@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+from .. import bitwise
 from ..models import adapters as served_adapters  # a module: models.adapters imports engine.config
 from ..models.families import check_supported, text_dims
 from . import internals
@@ -31,6 +32,12 @@ class ModelRunner:
         self.policy = policy
         self.kv = kv_cache
         self.prefill_chunk_tokens = config.prefill.chunk_tokens
+        # The bitwise on-policy mode (unsloth_rollout/bitwise.py): every engine forward and the sampler's log-softmax
+        # run its batch-invariant ops; decode/choose.py keeps the decode step eager for it.
+        self.bitwise = bitwise.enabled(policy)
+        if self.bitwise:
+            bitwise.check(policy)
+        self.log_softmax = bitwise.log_softmax if self.bitwise else torch.log_softmax  # the sampler's (core.py)
         self.vision_token_ids = frozenset(vision_token_ids)  # tokens whose embedding needs the prompt's pixels
         self.device = policy.device
         check_supported(policy.config, getattr(policy, "allow_unverified_family", False))
@@ -43,7 +50,7 @@ class ModelRunner:
         self.inner = inner_implementation(internals.configured_attention(self.text_config))
         # decode attention on CPU through decode/cpu_kernel.py's kernel (SDPA arithmetic; built at first use)
         self.kernel = (config.decode.cpu_kernel and self.device.type == "cpu" and self.inner in ("sdpa", "fused")
-                       and cpu_kernel.available())
+                       and not self.bitwise and cpu_kernel.available())
         self.num_layers = text_dims(self.text_config)[0]
         # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated there).
         params = inspect.signature(policy.base_model.forward).parameters
@@ -51,7 +58,7 @@ class ModelRunner:
         self._last_ctx = None  # the ForwardContext of the latest eager forward (the probe reads what it saw)
         self.decode_steps = DecodeSteps(DecodeContext(
             policy, kv_cache, config.decode, self.device, self.num_layers, self.text_config, self.inner, self.kernel,
-            self._cache_arg, self.vision, self._forward, weights_clock))
+            self._cache_arg, self.vision, self._forward, weights_clock, self.bitwise))
         kv_cache.on_release.append(self.decode_steps.release)
 
     # ------------------------------------------------------------------ forwards
@@ -59,13 +66,14 @@ class ModelRunner:
         """Logits [B, V] of each row's last position, or [K, V] of the positions ``keep`` of a packed row.
         ``adapters``: one adapter name per row ("__base__": none), selected by ``adapter_scope`` and put back after
         the forward, also when it raises; None: the model's active adapter."""
-        ctx.inner, ctx.kernel = self.inner, self.kernel
+        ctx.inner, ctx.kernel, ctx.bitwise = self.inner, self.kernel, self.bitwise
         cfg = self.text_config
         saved = internals.swap_attention(cfg, ATTN_NAME)  # the engine holds policy.lock: nothing else runs now
         set_current(ctx)
         self._last_ctx = ctx
         try:
-            with served_adapters.adapter_scope(self.policy.model, adapters):
+            with served_adapters.adapter_scope(self.policy.model, adapters), bitwise.engine_ops(self.policy,
+                                                                                                 self.bitwise):
                 out = self.policy.model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                         use_cache=True, logits_to_keep=1 if keep is None else keep,
                                         **{self._cache_arg: view, CTX_KWARG: ctx}, **mm)

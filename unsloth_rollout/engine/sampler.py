@@ -91,11 +91,13 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int], seed: int | None = None):
+    def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int], seed: int | None = None,
+                 log_softmax=torch.log_softmax):
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.suppress_ids = list(suppress_ids)
         self.rng = random.Random(seed)
+        self.log_softmax = log_softmax  # of the raw logprobs: the bitwise on-policy mode's own under it (runner.py)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """``logits``: [B, V'] raw logits for the next token of each sequence (V' >= vocab). Per-row parameters
@@ -105,7 +107,7 @@ class Sampler:
         batch = SamplingBatch.of(seqs, logits)
         # what a trainer recomputes (x / 1 is x: the division is skipped when every row's temperature is 1)
         unit = all(r[_LPT] == 1.0 for r in batch.rows)
-        raw_lp = torch.log_softmax(logits if unit else logits / batch.par[:, _LPT:_LPT + 1], dim=-1)
+        raw_lp = self.log_softmax(logits if unit else logits / batch.par[:, _LPT:_LPT + 1], dim=-1)
         proc = self.process_logits(logits, batch)
         allowed, errors = self.apply_grammar(proc, logits, batch) if batch.constrained else (None, {})
         tokens = self.choose_tokens(proc, batch)

@@ -65,10 +65,12 @@ def _torch_flags() -> tuple[list[str], str]:
     return flags, f"{torch.__version__} {torch.__file__} {abi}"
 
 
-def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, ...] = ()) -> Path:
+def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, ...] = (),
+                  flags: tuple[str, ...] = ()) -> Path:
     """The path of ``csrc/<name>.cpp`` built as a shared library (built now if this machine has none yet).
     ``torch_headers``: the source includes torch's C++ API (a torch op registration), built against this
-    process's torch; ``link``: libraries built here that it calls into (their paths are part of its key)."""
+    process's torch; ``link``: libraries built here that it calls into (their paths are part of its key);
+    ``flags``: compiler flags of this library beyond the common ones (part of its key)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
@@ -82,8 +84,8 @@ def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, .
     deps = [str(p) for p in link]
     for d in deps:
         extra += [d, f"-Wl,-rpath,{os.path.dirname(d)}"]
-    parts = [src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode(), platform.machine().encode(),
-             gomp.encode()]
+    parts = [src, " ".join(_FLAGS + tuple(flags)).encode(), version.encode(), _cpu_id().encode(),
+             platform.machine().encode(), gomp.encode()]
     if torch_id or deps:
         parts += [torch_id.encode(), " ".join(deps).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -93,7 +95,7 @@ def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, .
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            cmd = [cxx, *_FLAGS, str(source), "-o", tmp, *extra, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
+            cmd = [cxx, *_FLAGS, *flags, str(source), "-o", tmp, *extra, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")

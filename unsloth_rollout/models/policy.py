@@ -92,6 +92,9 @@ class PolicyModel:
     served_adapters: dict = field(default_factory=dict)
     # The same adapters: request name -> the folder it was loaded from (models/weights.py keeps both).
     adapter_paths: dict = field(default_factory=dict)
+    # The bitwise on-policy mode (unsloth_rollout/bitwise.py: enable / disable): engines built on this policy and the
+    # trainer doors run batch-invariant ops, so the engine's logprobs equal the trainer's recompute bit for bit.
+    bitwise: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod

@@ -14,7 +14,9 @@ stopping at the trainer's EOS ids. Completion ids and the engine's behaviour log
 its importance-sampling correction and ``sampling/*`` logging run on them. The engine's version follows
 ``trainer.state.global_step`` (bumped after every optimizer step by a callback); no weights move. With
 ``GRPOTrainer(tools=[...])``, TRL's tool loop generates every post-tool turn through the engine as well
-(``EngineGeneration``, what the hook puts at ``trainer.vllm_generation``).
+(``EngineGeneration``, what the hook puts at ``trainer.vllm_generation``). When the policy's bitwise on-policy mode is
+on (``unsloth_rollout/bitwise.py``), TRL's recompute of the logprobs runs under it too (``trl/bitwise.py``): its
+``sampling/sampling_logp_difference`` is 0.
 
 Importing ``unsloth_rollout`` does not import this module or trl.
 """

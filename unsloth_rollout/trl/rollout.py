@@ -18,11 +18,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .. import bitwise
 from ..logs import get_logger
 from ..engine import EngineConfig, GenerationRequest, InvalidRequestError, RolloutEngine, SamplingParams
 from ..engine.options import sampling_from_options
 from ..models import PolicyModel
 from ..rewards import finite_reward
+from .bitwise import use_bitwise_recompute
 
 logger = get_logger("unsloth_rollout")
 
@@ -274,6 +276,8 @@ class EngineRollout:
                 trainer.vllm_mode = "server"
                 trainer.vllm_importance_sampling_correction = bool(want_is)
                 trainer.use_vllm = True
+        if bitwise.enabled(self.engine.policy):  # TRL's recompute under the bitwise on-policy mode, as the engine runs
+            use_bitwise_recompute(trainer, self.engine.policy)
         if isinstance(getattr(trainer, "reward_funcs", None), list):  # a bad reward never reaches the advantages
             trainer.reward_funcs = [finite_reward_func(f) for f in trainer.reward_funcs]
         self._attached_to = trainer

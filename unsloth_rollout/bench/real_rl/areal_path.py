@@ -84,6 +84,8 @@ def _versions(batch) -> list[int]:
 def run_areal(s: RunSettings, on_step: Callable[[str, StepRecord], None] | None = None,
               extra_overrides: list[str] | None = None) -> list[StepRecord]:
     """Train ``s.steps`` GRPO steps with AReaL's PPOTrainer on the colocated engine."""
+    if s.bitwise:
+        raise ValueError("--bitwise 1 runs the trl-engine path only (the AReaL path loads its model from its config)")
     import torch
 
     from ...areal.grpo import main

@@ -32,6 +32,8 @@ class RunSettings:
             (spread over the prompts; default: every sample of a step, prompts_per_step x group), plus the
             sample whose behaviour and trainer logprobs differ most.
         threads: torch threads (0: leave torch's default).
+        bitwise: 1: the trl-engine path under the bitwise on-policy mode (unsloth_rollout/bitwise.py), whose
+            logprob_diff_max is then 0 at every step; the other paths refuse it.
     """
 
     model: str = "real:smollm2-135m-instruct"
@@ -48,6 +50,7 @@ class RunSettings:
     rows: int = 16
     oracle_samples: int = 32
     threads: int = 0
+    bitwise: int = 0
 
     def __post_init__(self):
         if self.lora_layers < 0:

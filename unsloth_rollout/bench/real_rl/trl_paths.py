@@ -43,7 +43,12 @@ def load_policy(s: RunSettings):
     if targets is not None:
         lora["target_modules"] = targets
     torch.manual_seed(s.seed)
-    return load_model(path, backend="transformers", dtype=torch.float32, lora=lora)
+    policy = load_model(path, backend="transformers", dtype=torch.float32, lora=lora)
+    if s.bitwise:
+        from ... import bitwise
+
+        bitwise.enable(policy)
+    return policy
 
 
 class _StepTimer:
@@ -110,6 +115,8 @@ def run_trl(s: RunSettings, engine_path: bool, on_step=None, engine_config=None)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if s.threads:
         torch.set_num_threads(s.threads)
+    if s.bitwise and not engine_path:
+        raise ValueError("--bitwise 1 runs the trl-engine path only (TRL's own generate has no engine)")
     policy = load_policy(s)
     engine = rf = None
     if engine_path:

@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ...errors import BitwiseModeError
+
 HALF_OR_FULL = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -52,11 +54,12 @@ class DecodeFacts:
     quantized: bool  # 4-bit / 8-bit weights (bitsandbytes or any other quantized linear layer)
     compiler: bool  # a C++ compiler for inductor's CPU code
     workspace_bytes: int | None  # DecodeConfig.workspace_bytes (0: no workspace)
+    bitwise: bool = False  # the bitwise on-policy mode (unsloth_rollout/bitwise.py)
 
 
-def facts_of(policy, device: torch.device, workspace_bytes: int | None) -> DecodeFacts:
+def facts_of(policy, device: torch.device, workspace_bytes: int | None, bitwise: bool = False) -> DecodeFacts:
     return DecodeFacts(device.type, getattr(policy, "dtype", torch.float32), getattr(policy, "backend", None),
-                       quantized(policy.model), cxx_compiler(), workspace_bytes)
+                       quantized(policy.model), cxx_compiler(), workspace_bytes, bitwise)
 
 
 def quantized(model) -> bool:
@@ -74,6 +77,7 @@ def choose_backend(facts: DecodeFacts) -> tuple[str, str]:
     cuda, cpu = facts.device == "cuda", facts.device == "cpu"
     table = [
         (facts.workspace_bytes == 0, "workspace", "no decode workspace (workspace_bytes=0): every step gathers"),
+        (facts.bitwise, "workspace", "the bitwise on-policy mode: its batch-invariant ops run in eager steps"),
         (cuda and facts.loader != "transformers", "workspace", "loaded by Unsloth: not measured compiled on a GPU"),
         (cuda and facts.quantized, "workspace", "4-bit weights: not measured compiled on a GPU"),
         (cuda and facts.dtype not in HALF_OR_FULL, "workspace", f"{facts.dtype}: not measured compiled on a GPU"),
@@ -86,6 +90,18 @@ def choose_backend(facts: DecodeFacts) -> tuple[str, str]:
     return next((variant, why) for holds, variant, why in table if holds)
 
 
+def check_bitwise(backend: str, compile_mode: str | None) -> None:
+    """Under the bitwise on-policy mode only the eager variants run: a compiled step fuses ops differently from the
+    trainer's forward, so asking for one is refused by name (``auto`` picks the eager workspace step)."""
+    if PARTS.get(backend, PARTS["workspace"]).compiled:
+        raise BitwiseModeError(f"decode.backend={backend!r}: the compiled decode step fuses ops differently from the "
+                               "trainer's forward; under the bitwise on-policy mode use 'auto', 'workspace' or "
+                               "'gather'")
+    if compile_mode is not None:
+        raise BitwiseModeError(f"decode.compile_mode={compile_mode!r}: the bitwise on-policy mode runs eager decode "
+                               "steps only")
+
+
 def layers_per_call(requested: int | None, served_family: bool) -> int:
     """Decoder layers per compiled call: ``requested``, else 4 for a family the registry serves (their decoder loops
     pass each layer its predecessor's output and the same arguments: decode/units.py), else 1."""
@@ -94,11 +110,12 @@ def layers_per_call(requested: int | None, served_family: bool) -> int:
     return 4 if served_family else 1
 
 
-def shared_prompts_served(device: torch.device, inner: str) -> bool:
+def shared_prompts_served(device: torch.device, inner: str, bitwise: bool = False) -> bool:
     """Whether rows may read shared prompts once per group: on CPU (the split attention uses the CPU flash kernel,
-    which returns its log-sum-exp), with SDPA arithmetic. That every layer attends over all of its history (no
+    which returns its log-sum-exp), with SDPA arithmetic, outside the bitwise on-policy mode (its attention reads
+    each row's keys in one order, as the trainer's forward does). That every layer attends over all of its history (no
     sliding window, no logit soft-capping) is what the probe's decode then sees (``ModelRunner.probe``)."""
-    return device.type == "cpu" and inner in ("sdpa", "fused")
+    return device.type == "cpu" and inner in ("sdpa", "fused") and not bitwise
 
 
 def shared_prompt_min_tokens(requested: int | None, backend: str, kernel: bool) -> int:

@@ -34,6 +34,7 @@ class DecodeContext:
     vision: Any  # PromptVision: each row's decode position (M-RoPE deltas included)
     forward: Callable  # the runner's eager forward: adapters per row, the cache-use guard
     weights_clock: Any = None  # the core's WeightsClock: the compiled step re-checks its guards when it moves
+    bitwise: bool = False  # the bitwise on-policy mode (unsloth_rollout/bitwise.py): eager steps, whole rows
 
 
 @dataclass

@@ -11,8 +11,8 @@ import torch
 
 from ...logs import get_logger
 from ...models.families import family_of
-from .choose import PARTS, choose_backend, choose_step, facts_of, layers_per_call, shared_prompt_min_tokens, \
-    shared_prompts_served
+from .choose import PARTS, check_bitwise, choose_backend, choose_step, facts_of, layers_per_call, \
+    shared_prompt_min_tokens, shared_prompts_served
 from .compiled import CompiledStep
 from .gather import GatherStep
 from .graph import KEY_BUCKET, GraphStep, check_device
@@ -30,8 +30,11 @@ class DecodeSteps:
         cfg = context.config
         self.requested = cfg.backend
         self.fallback = None  # why ``auto`` runs the eager workspace where it chose the compiled step
+        if context.bitwise:
+            check_bitwise(cfg.backend, cfg.compile_mode)
         if cfg.backend == "auto":
-            self.backend, self.why = choose_backend(facts_of(context.policy, context.device, cfg.workspace_bytes))
+            self.backend, self.why = choose_backend(facts_of(context.policy, context.device, cfg.workspace_bytes,
+                                                             context.bitwise))
         else:
             self.backend, self.why = cfg.backend, "configured"
         parts = PARTS[self.backend]
@@ -40,7 +43,8 @@ class DecodeSteps:
         if parts.workspace:
             self.workspace = DecodeWorkspace(
                 context.kv, budget_bytes=cfg.workspace_bytes,
-                shared_prompts=cfg.shared_prompt and shared_prompts_served(context.device, context.inner))
+                shared_prompts=cfg.shared_prompt and shared_prompts_served(context.device, context.inner,
+                                                                          context.bitwise))
             if parts.compiled and context.kernel:  # the store's entries: a dynamic dimension, never 1
                 self.workspace.store.min_entries = 2
             self.eager = WorkspaceStep(context, self.workspace)
