@@ -32,7 +32,7 @@ PROMPTS = ["Hi.", "Describe the picture in a few words please.", "What is two pl
            "Tell me a very long story about a cat and a dog."]
 
 
-def _train(tmp_path, trainer_side: bool, monkeypatch, arch: str = "qwen2"):
+def _train(tmp_path, trainer_side: bool, monkeypatch, arch: str = "qwen2", **config):
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -50,7 +50,7 @@ def _train(tmp_path, trainer_side: bool, monkeypatch, arch: str = "qwen2"):
     tr = GRPOTrainer(model=policy.model, processing_class=policy.processor or policy.tokenizer,
                      reward_funcs=toy_reward(engine.eos_ids),
                      args=grpo_config(str(tmp_path), 3, num_generations=3, prompts_per_step=2, max_completion_length=8,
-                                      temperature=0.8),
+                                      temperature=0.8, **config),
                      train_dataset=ds, rollout_func=rollout_func(engine))
     try:
         tr.train()
@@ -65,6 +65,7 @@ def _train(tmp_path, trainer_side: bool, monkeypatch, arch: str = "qwen2"):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_trls_recompute_equals_the_engines_logprobs_at_every_step(tmp_path, monkeypatch, arch):
+    """On GRPOConfig's default precision (bf16 autocast): the mode's recompute runs in float32 inside it."""
     logged, changed = _train(tmp_path, True, monkeypatch, arch)
     assert changed > 1e-3  # the optimizer moved the weights between steps
     assert logged["sampling/sampling_logp_difference/max"] == [0.0, 0.0, 0.0]
@@ -73,6 +74,7 @@ def test_trls_recompute_equals_the_engines_logprobs_at_every_step(tmp_path, monk
 
 
 def test_without_the_mode_on_trls_side_the_difference_is_not_zero(tmp_path, monkeypatch):
-    logged, _ = _train(tmp_path, False, monkeypatch)
+    """A float32 trainer (bf16=False) without the mode: its recompute is within float32 noise, not equal."""
+    logged, _ = _train(tmp_path, False, monkeypatch, bf16=False)
     diffs = logged["sampling/sampling_logp_difference/max"]
     assert len(diffs) == 3 and all(0 < d < 1e-4 for d in diffs), diffs

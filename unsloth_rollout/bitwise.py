@@ -92,7 +92,8 @@ def ops() -> InvariantOps:
 @contextlib.contextmanager
 def mode(policy):
     """A trainer's forward under the mode: ``policy``'s text decoder attends through this module's attention, every
-    op runs batch-invariant, and ``policy.lock`` is held (no engine step runs meanwhile)."""
+    op runs batch-invariant in float32 (a surrounding autocast is switched off inside), and ``policy.lock`` is held
+    (no engine step runs meanwhile)."""
     check(policy)
     register()
     cfg = policy.text_config
@@ -100,7 +101,9 @@ def mode(policy):
         saved = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTN_NAME
         try:
-            with InvariantOps():
+            # float32 whatever autocast the trainer runs under (TRL's GRPOConfig defaults to bf16 mixed precision):
+            # the engine's forwards run in the model's own dtype, and the mode's ops compute float32 only.
+            with torch.autocast(policy.device.type, enabled=False), InvariantOps():
                 yield
         finally:
             cfg._attn_implementation_internal = saved
