@@ -1,4 +1,4 @@
-"""Decode attention on CPU, per layer: SDPA with the engine's mask vs the engine's kernel (engine/cpu_attention.py)
+"""Decode attention on CPU, per layer: SDPA with the engine's mask vs the engine's kernel (engine/decode/cpu_kernel.py)
 vs one plain read of the same keys and values (``torch.sum``, the floor of any attention that reads them once).
 
 Each shape holds ``layers`` layers of K/V, walked in turn as a decode step walks its layers, so the history is
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from unsloth_rollout.engine import cpu_attention
+from unsloth_rollout.engine.decode import cpu_kernel
 from unsloth_rollout.engine.attention import ForwardContext
 
 SHAPES = {"captured": dict(batch=64, kv_heads=2, group=2, head_dim=16, keys=272, layers=36),
@@ -46,7 +46,7 @@ def measure(batch, kv_heads, group, head_dim, keys, layers, repeats):
                                                                 attn_mask=mask)
 
     def kernel(i):
-        return cpu_attention.decode_attention(qs[i], ks[i], vs[i], lo, hi, None)[0]
+        return cpu_kernel.decode_attention(qs[i], ks[i], vs[i], lo, hi, None)[0]
 
     def read(i):
         return ks[i].sum() + vs[i].sum()
@@ -71,8 +71,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    if not cpu_attention.available():
-        raise SystemExit(f"the kernel is not available here: {cpu_attention.build_error()}")
+    if not cpu_kernel.available():
+        raise SystemExit(f"the kernel is not available here: {cpu_kernel.build_error()}")
     rep = {"command": f"PYTHONPATH=$PWD python benchmarks/cpu_attention_kernel.py --repeats {a.repeats}",
            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_before": os.getloadavg()}
     for name, shape in SHAPES.items():
