@@ -266,3 +266,71 @@ def test_importing_the_engine_builds_no_kernel():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+# ============================================================================ the engine's paged step
+def test_the_paged_step_is_refused_where_its_kernel_cannot_run(monkeypatch):
+    from unsloth_rollout.engine.decode.paged import check_device
+
+    check_device(DEVICE)  # runs here: CUDA, or the interpreter on CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if not CUDA:
+        with pytest.raises(ValueError, match="decode backend 'paged' needs triton and a CUDA device"):
+            check_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs triton and a CUDA device"):
+        check_device(torch.device("meta"))
+
+
+def _load(family):
+    from unsloth_rollout import load_model
+    from unsloth_rollout.testing.families import family_model_path
+    from unsloth_rollout.testing.oracles import perturb_lora
+    from unsloth_rollout.testing.tiny import tiny_model_path
+
+    # Gemma 2: attention soft-capping (1.0) and an 8-token sliding window, in its eager attention
+    path, attn = ((tiny_model_path("qwen2"), "sdpa") if family == "qwen2" else (family_model_path(family), "eager"))
+    policy = load_model(str(path), backend="transformers", lora={"r": 8}, attn_implementation=attn)
+    assert perturb_lora(policy.model, std=0.3) > 0
+    return policy
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_the_engine_decodes_through_the_paged_step_as_through_the_gather_step(family):
+    """``DecodeConfig(backend="paged")``: the engine's attention reads the pool through the kernel (the cache view
+    returns only the new keys). Rows of mixed lengths, 8-token blocks, 12 new tokens (past Gemma 2's window):
+    greedy tokens equal the gather step's (a float32 near-tie excepted), logprobs within 1e-5 of them, and within
+    the parity bound of a teacher-forced forward."""
+    from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams
+    from unsloth_rollout.engine.config import DecodeConfig
+    from unsloth_rollout.testing.oracles import assert_greedy_matches, parity_bound, teacher_forced_logprobs
+
+    policy = _load(family)
+    tok = policy.tokenizer
+    texts = ["the cat", "alice counts twelve red apples in the old market", "one two three four five six seven",
+             "Bob and Carol walk to Paris before the rain starts and then"]
+    prompts = [tok.encode(t) for t in texts]
+    assert min(map(len, prompts)) < 8 < max(map(len, prompts))
+    reqs = [GenerationRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+            for p in prompts]
+    outs = {}
+    for backend in ("gather", "paged"):
+        engine = RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=4 << 20, block_size=8,
+                                                    decode=DecodeConfig(backend=backend)), seed=0)
+        try:
+            outs[backend] = engine.generate(reqs)
+            assert engine.stats()["decode_backend"] == backend
+        finally:
+            engine.shutdown()
+    drift = gather_drift = 0.0
+    with torch.no_grad():
+        for p, g, q in zip(prompts, outs["gather"], outs["paged"]):
+            assert_greedy_matches(policy, p, q.output_ids, g.output_ids, label=family)
+            if q.output_ids != g.output_ids:
+                continue
+            got, want = torch.tensor(q.output_logprobs), torch.tensor(g.output_logprobs)
+            assert torch.isfinite(got).all()
+            assert (got - want).abs().max().item() <= 1e-5, (family, (got - want).abs().max().item())
+            ref, _ = teacher_forced_logprobs(policy, p, q.output_ids)
+            drift = max(drift, (got - ref).abs().max().item())
+            gather_drift = max(gather_drift, (want - ref).abs().max().item())
+    assert drift <= parity_bound(gather_drift), (family, drift, gather_drift)
