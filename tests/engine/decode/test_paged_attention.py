@@ -12,6 +12,7 @@ and the output rounded to float16) within 2e-3.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ CUDA = torch.cuda.is_available()
 # Without CUDA the kernels run under Triton's interpreter, which triton reads when it is imported (its own jit
 # functions, tl.max and the like); torch._dynamo imports triton, and tests/conftest.py imports torch._dynamo, so under
 # pytest the variable must come from the environment. Set here when triton is not imported yet; else a skip.
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1" and importlib.util.find_spec("triton") is not None:
     if "triton" in sys.modules:
         pytest.skip("no CUDA device, and triton was imported before TRITON_INTERPRET=1 could be set: run with "
                     "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
