@@ -142,14 +142,15 @@ def check_nf4(path, device="cuda"):
 
 
 # "auto" is the compiled step on CUDA for these (transformers + PEFT, fp32 / bf16); "workspace" the eager one;
-# "graph": the compiled step replayed as CUDA graphs (decode/graph.py, off by default).
-@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph"])
+# "graph": the compiled step replayed as CUDA graphs (decode/graph.py, off by default); "paged": attention read from
+# the pool in place by the Triton kernel (decode/paged.py, configured only).
+@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph", "paged"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_fp32_greedy_and_logprob_parity_on_gpu(model_dirs, arch, decode_backend):
     check_fp32_parity(model_dirs[arch], decode_backend=decode_backend)
 
 
-@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph"])
+@pytest.mark.parametrize("decode_backend", ["auto", "workspace", "graph", "paged"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 def test_bf16_logprobs_within_tolerance_on_gpu(model_dirs, arch, decode_backend):
     check_bf16_tolerance(model_dirs[arch], decode_backend=decode_backend)

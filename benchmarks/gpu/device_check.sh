@@ -17,6 +17,9 @@
 #          loading transformers there, FastVisionModel served within bounds (needs site.tgz)
 #   transfer  weight_transfer_check.py: TRL's VLLMClient pushes changed weights to the server over NCCL (trainer and
 #          server share the GPU); version bump, logprobs and greedy tokens on the new weights (needs site.tgz for TRL)
+#   paged  paged_attention_check.py: the Triton paged decode attention kernel against float64 and SDPA (fp32, bf16,
+#          fp16) and timed against SDPA over a workspace at batch 1/64/256, contexts 128..2048 (3B-VL shape); then
+#          its tests (tests/engine/decode/test_paged_attention.py, on CUDA: the engine's "paged" step included)
 #   all    the decode checks in one call under 590 s: the model build in the background while
 #          tests/test_gpu.py and unsloth_check.py share the GPU (correctness only), then alone on the GPU the 3B
 #          VL decode sweep (eager workspace, the compiled step, HF generate() at batch 1 and 64), then the NF4
@@ -90,12 +93,12 @@ for a in "$@"; do
       tar czf "$WHEELS/site.tgz" -C "$tmp/site" unsloth xf bnb
       rm -rf "$tmp"
       ls -l "$WHEELS"; exit 0 ;;
-    probe|bf16|4bit|text|captured|unsloth|transfer|all) VARIANTS+=("$a") ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured unsloth transfer all; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
+    probe|bf16|4bit|text|captured|unsloth|transfer|paged|all) VARIANTS+=("$a") ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $a (variants: probe bf16 4bit text captured unsloth transfer paged all; options: --dry-run --fetch-wheels)" >&2; exit 2 ;;
   esac
 done
-[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured unsloth transfer all" >&2; exit 2; }
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "name at least one variant: probe bf16 4bit text captured unsloth transfer paged all" >&2; exit 2; }
 
 # step NAME SECONDS CMD...: run CMD under a time limit, its output appended to $OUT/VARIANT.log; a failure is recorded
 # and the next step still runs (each step's figures are worth keeping on their own).
@@ -198,6 +201,12 @@ for v in "${VARIANTS[@]}"; do
       install_wheels
       step weight_transfer 240 env PYTHONPATH="$(site_pp unsloth)" "$PY" "$HERE/weight_transfer_check.py" \
         --models "$MODELS" --json "$OUT/weight_transfer.json"
+      ;;
+    paged)
+      [ $DRY = 1 ] && echo "  carried: $(carried_bytes) bytes (tree only) of $CARRY_LIMIT"
+      step paged_attention 240 "$PY" "$HERE/paged_attention_check.py" --batches "$BATCHES" --json "$OUT/paged_attention.json"
+      step test_paged_attention 200 "$PY" -m pytest -q -rA -p no:cacheprovider tests/engine/decode/test_paged_attention.py \
+        --junitxml="$OUT/test_paged_attention.xml"
       ;;
     all)
       [ $DRY = 1 ] && echo "  carried: $(carried_bytes wheels) bytes (tree + site.tgz) of $CARRY_LIMIT"

@@ -63,10 +63,10 @@ class Timed:
 
 
 # Decode backends of this workload: the engine's (DecodeConfig.backend: "auto", the default, and the variants but
-# the CUDA-only graph step), each also with every row holding its whole history (``<backend>-whole-rows``:
+# the CUDA-only graph and paged steps), each also with every row holding its whole history (``<backend>-whole-rows``:
 # DecodeConfig.shared_prompt=False), to compare with ``--group``. "static" is the old name of "compiled".
 WHOLE_ROWS = "-whole-rows"
-BACKENDS = tuple(b for b in DECODE_BACKENDS if b != "graph")
+BACKENDS = tuple(b for b in DECODE_BACKENDS if b not in ("graph", "paged"))
 ALIASES = {"static": "compiled"}
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .. import bitwise
 from . import internals
-from .decode import cpu_kernel
+from .decode import cpu_kernel, paged_attention
 from ..errors import CacheBypassError, ModelNotServableError, UnsupportedAttentionError  # noqa: F401  (re-exported)
 
 ATTN_NAME = "unsloth_rollout_attention"
@@ -74,6 +74,9 @@ class ForwardContext:
     kernel: bool = False
     # the bitwise on-policy mode (unsloth_rollout/bitwise.py): attention through its one batch-invariant function
     bitwise: bool = False
+    # decode that reads the paged pool in place (decode/paged_attention.py's ``PagedDecode``: the pool, each row's
+    # blocks and key count): the cache view returns only this step's keys, and the attention reads the rest itself
+    paged: object | None = None
     # what the layers asked of their attention in this forward (checked forwards): (sliding window, softcap?)
     seen: set = field(default_factory=set)
     writes: dict = field(default_factory=dict)
@@ -86,6 +89,13 @@ class ForwardContext:
     def prefill(cls, length: int, device, block: torch.Tensor | None = None) -> "ForwardContext":
         pos = torch.arange(length, device=device).unsqueeze(0)
         return cls("prefill", pos, pos, None, block, causal_fast_path=block is None)
+
+    @classmethod
+    def paged_decode(cls, lengths: torch.Tensor, paged, check: bool = True) -> "ForwardContext":
+        """One query per row at position ``lengths[i]``, attending to keys 0 .. lengths[i] read from the pool through
+        ``paged`` (a ``PagedDecode``); the keys the cache view returns are this step's only (``k_pos``)."""
+        pos = lengths.view(-1, 1)
+        return cls("decode", pos, pos, None, check=check, lengths=lengths, paged=paged)
 
     @classmethod
     def decode(cls, lengths: torch.Tensor, key_len: int, check: bool = True) -> "ForwardContext":
@@ -229,6 +239,8 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwargs) -> torch.Tensor:
     """The attention output ``[B, Q, H, D]`` of ``engine_attention``, for one context."""
+    if ctx.paged is not None:
+        return _paged(module, query, ctx, window, scaling, kwargs)
     if ctx.bitwise:  # bitwise on-policy mode: the one batch-invariant attention the trainer's forward runs too
         return bitwise.attend(query, key, value, ctx.mask(window), scaling, kwargs.get("softcap"))
     inner = ctx.inner
@@ -272,6 +284,19 @@ def _attend(module, query, key, value, ctx: ForwardContext, window, scaling, kwa
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=fast and query.shape[2] > 1,
         enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous()
+
+
+def _paged(module, query, ctx: ForwardContext, window, scaling, kwargs) -> torch.Tensor:
+    """Decode attention read from the pool in place (decode/paged_attention.py). The arithmetic ``_attend`` would
+    run: soft-capping where the model's eager function computes it (``inner`` "eager", or "fused" with a softcap),
+    none under SDPA (transformers' sdpa path drops it); scaling, sliding window and grouped-query heads as the model
+    passes them."""
+    if ctx.bitwise or ctx.shared is not None or ctx.block is not None or query.shape[2] != 1:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__}: paged decode attention serves one query per row without the bitwise mode, "
+            "shared prompts or image blocks")
+    softcap = kwargs.get("softcap") if ctx.inner in ("eager", "fused") else None
+    return paged_attention.attend(query, module.layer_idx, ctx.paged, window, scaling, softcap)
 
 
 def _flash(q, k, v, mask, scale):

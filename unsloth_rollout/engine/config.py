@@ -169,7 +169,7 @@ def _check_count(value, name: str, least: int, none: bool = True) -> None:
 
 
 # The decode variants a config may name (decode/choose.py's BACKENDS, and "auto": its table).
-DECODE_BACKENDS = ("auto", "compiled", "graph", "workspace", "gather")
+DECODE_BACKENDS = ("auto", "compiled", "graph", "workspace", "gather", "paged")
 
 
 @dataclass
@@ -177,7 +177,8 @@ class DecodeConfig:
     """How decode steps run: one module per variant in engine/decode/, ``auto`` chosen by decode/choose.py.
 
     Args:
-        backend: "auto" (decode/choose.py's table), "compiled", "graph" (CUDA only), "workspace" or "gather".
+        backend: "auto" (decode/choose.py's table), "compiled", "graph" (CUDA only), "workspace", "gather" or
+            "paged" (attention reads the pool in place with a Triton kernel: CUDA, or Triton's interpreter).
         compile_mode: the torch.compile mode of the compiled step (None: inductor's default).
         layers_per_call: decoder layers of one kind per compiled call (None: 4 for served families, else 1).
         shared_prompt: rows of one prompt hold its positions once and read them once per step (CPU, SDPA).

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unsloth_rollout.engine.decode.choose import (COMPILED_MIN_SHARED, EAGER_MIN_SHARED, choose_backend, choose_step,
-                                                  facts_of, layers_per_call, shared_prompt_min_tokens)
+from unsloth_rollout.engine.decode.choose import (BACKENDS, COMPILED_MIN_SHARED, EAGER_MIN_SHARED, DecodeFacts,
+                                                  check_bitwise, choose_backend, choose_step, facts_of,
+                                                  layers_per_call, shared_prompt_min_tokens)
+from unsloth_rollout.errors import BitwiseModeError
 
 
 def test_auto_runs_the_compiled_step_on_cuda_only_where_it_was_measured():
@@ -62,6 +64,8 @@ STEP = dict(arranged=True, compiled=True, eager=False, adapters=False, shared=Fa
     ({"shared": True}, "workspace"),  # shared prompts the graph does not read (no CPU kernel)
     ({"shared": True, "compiled_reads_shared": True}, "compiled"),
     ({"fits": lambda: False}, "workspace"),  # the padded batch over the budget
+    ({"paged": True}, "paged"),  # the paged step (configured): every step, whatever its rows
+    ({"paged": True, "arranged": False, "eager": True, "adapters": True}, "paged"),
 ])
 def test_each_step_runs_the_variant_its_rows_allow(change, want):
     assert choose_step(**{**STEP, **change}) == want
@@ -80,3 +84,15 @@ def test_the_defaults_taken_from_the_model():
     assert shared_prompt_min_tokens(None, "compiled", kernel=True) == EAGER_MIN_SHARED == 32
     assert shared_prompt_min_tokens(None, "workspace", kernel=False) == 32
     assert shared_prompt_min_tokens(100, "compiled", kernel=False) == 100
+
+
+def test_auto_never_picks_the_paged_step_and_the_bitwise_mode_refuses_it():
+    """The paged step (attention through the Triton kernel) is configured only: no row of ``auto``'s table names it,
+    whatever the device; the bitwise on-policy mode refuses it by name (its kernel sums keys in its own order)."""
+    assert "paged" in BACKENDS
+    for device in ("cuda", "cpu", "mps"):
+        for loader, quantized, compiler, ws in (("transformers", False, True, None), ("unsloth", True, False, 0)):
+            facts = DecodeFacts(device, torch.bfloat16, loader, quantized, compiler, ws)
+            assert choose_backend(facts)[0] != "paged"
+    with pytest.raises(BitwiseModeError, match="decode.backend='paged'"):
+        check_bitwise("paged", None)

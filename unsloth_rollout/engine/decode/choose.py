@@ -27,6 +27,7 @@ class Parts(NamedTuple):
     workspace: bool  # the decode workspace and the eager workspace step over it
     compiled: bool  # the compiled step over the same rows
     graph: bool  # the graph step replaying the compiled step
+    paged: bool = False  # the paged step: attention reads the pool in place (decode/paged.py)
 
 
 # ``DecodeConfig.backend`` values (``auto`` resolves to one of them) and their parts.
@@ -35,6 +36,7 @@ PARTS = {
     "workspace": Parts(workspace=True, compiled=False, graph=False),
     "compiled": Parts(workspace=True, compiled=True, graph=False),
     "graph": Parts(workspace=True, compiled=True, graph=True),
+    "paged": Parts(workspace=False, compiled=False, graph=False, paged=True),
 }
 BACKENDS = tuple(PARTS)
 
@@ -93,6 +95,10 @@ def choose_backend(facts: DecodeFacts) -> tuple[str, str]:
 def check_bitwise(backend: str, compile_mode: str | None) -> None:
     """Under the bitwise on-policy mode only the eager variants run: a compiled step fuses ops differently from the
     trainer's forward, so asking for one is refused by name (``auto`` picks the eager workspace step)."""
+    if backend == "paged":
+        raise BitwiseModeError("decode.backend='paged': its attention kernel sums keys in another order than the "
+                               "trainer's forward; under the bitwise on-policy mode use 'auto', 'workspace' or "
+                               "'gather'")
     if PARTS.get(backend, PARTS["workspace"]).compiled:
         raise BitwiseModeError(f"decode.backend={backend!r}: the compiled decode step fuses ops differently from the "
                                "trainer's forward; under the bitwise on-policy mode use 'auto', 'workspace' or "
@@ -127,10 +133,13 @@ def shared_prompt_min_tokens(requested: int | None, backend: str, kernel: bool) 
 
 
 def choose_step(*, arranged: bool, compiled: bool, eager: bool, adapters: bool, shared: bool,
-                compiled_reads_shared: bool, fits: Callable[[], bool]) -> str:
+                compiled_reads_shared: bool, fits: Callable[[], bool], paged: bool = False) -> str:
     """The variant that runs this step; the first row that holds decides (``fits`` last: it may grow the
     workspace). The graph step, where configured, replays what "compiled" runs, and runs it unrecorded while a
-    decoder layer has a hook (decode/graph.py)."""
+    decoder layer has a hook (decode/graph.py). ``paged``: the configured variant is the paged step, which holds no
+    rows and serves every step (the probe's too)."""
+    if paged:
+        return "paged"
     if not arranged:  # no workspace, or its rows would not fit its byte budget this step
         return "gather"
     if not compiled or eager:  # the eager variant, or a step asked eager (the engine's probe)

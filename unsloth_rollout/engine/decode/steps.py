@@ -2,7 +2,7 @@
 
 nano-vllm's ``run_model`` is one branch (eager or replay); here the branch is ``choose_step``'s table, and each
 variant is a module of its own behind one interface (decode/step.py): the gather step (always there), the eager
-workspace step, the compiled step, the graph step.
+workspace step, the compiled step, the graph step, the paged step.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .choose import PARTS, check_bitwise, choose_backend, choose_step, facts_of,
 from .compiled import CompiledStep
 from .gather import GatherStep
 from .graph import KEY_BUCKET, GraphStep, check_device
+from .paged import PagedStep
 from .step import DecodeContext, DecodeRows, DecodeStep
 from .workspace import DecodeWorkspace, WorkspaceStep
 
@@ -40,6 +41,7 @@ class DecodeSteps:
         parts = PARTS[self.backend]
         self.gather = GatherStep(context)
         self.workspace = self.eager = self.compiled = self.graph = None
+        self.paged = PagedStep(context) if parts.paged else None
         if parts.workspace:
             self.workspace = DecodeWorkspace(
                 context.kv, budget_bytes=cfg.workspace_bytes,
@@ -85,8 +87,10 @@ class DecodeSteps:
 
         name = choose_step(arranged=arranged, compiled=compiled is not None, eager=eager,
                            adapters=rows.adapters is not None, shared=shared,
-                           compiled_reads_shared=compiled is not None and compiled.reads_shared(), fits=fits)
-        step = {"gather": self.gather, "workspace": self.eager, "compiled": self.graph or compiled}[name]
+                           compiled_reads_shared=compiled is not None and compiled.reads_shared(), fits=fits,
+                           paged=self.paged is not None)
+        step = {"gather": self.gather, "workspace": self.eager, "compiled": self.graph or compiled,
+                "paged": self.paged}[name]
         if compiled is not None and not eager and step is self.eager:
             compiled.eager_steps += 1  # a step the compiled step does not serve
         return step
