@@ -8,8 +8,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist each worker gets its share of the cores (the README's command: 2 workers on 2 cores, one torch
+# thread each), and so do the processes its tests start (servers, trainers): OpenMP teams that together ask for more
+# threads than there are cores wait at every barrier for a thread that is not running, and run several times slower.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 import pytest
 import torch
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from unsloth_rollout.testing.oracles import perturb_lora
 from unsloth_rollout.testing.tiny import tiny_model_path
