@@ -34,8 +34,9 @@ def openmp_runtime() -> str | None:
             paths = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
     except OSError:
         return None
-    root = os.path.dirname(os.path.dirname(torch.__file__))  # site-packages: torch/lib or torch.libs
-    mine = sorted(p for p in paths if p.startswith(os.path.join(root, "torch")))
+    # site-packages: torch/lib or torch.libs; resolved, as the maps are (a virtualenv reached through a symlink)
+    root = os.path.realpath(os.path.dirname(os.path.dirname(torch.__file__)))
+    mine = sorted(p for p in paths if os.path.realpath(p).startswith(os.path.join(root, "torch")))
     return mine[0] if mine else None
 
 
