@@ -66,7 +66,9 @@ def test_the_kernel_builds_here():
             "assert c.available(), c.build_error()\n"
             "assert gomp() == before, (before, gomp())\n"
             "from unsloth_rollout.kernels.build import openmp_runtime\n"
-            "assert openmp_runtime().startswith(torch.__file__.rsplit('/', 2)[0]), openmp_runtime()\n"
+            "import os\n"
+            "torch_root = os.path.realpath(torch.__file__).rsplit('/', 2)[0]\n"
+            "assert os.path.realpath(openmp_runtime()).startswith(torch_root), openmp_runtime()\n"
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
