@@ -8,8 +8,9 @@ The committed curve (benchmarks/shapes_agent_reward_curve.{json,png}) comes from
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -22,17 +23,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "shapes_agent" / "tiny_cpu.yaml"
 
 
-def _train():
-    spec = importlib.util.spec_from_file_location("shapes_agent_train", ROOT / "examples" / "shapes_agent" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _run(tmp_path, *overrides):
-    return _train().main(["--config", str(CONFIG), f"cluster.fileroot={tmp_path}/exp",
-                          f"cluster.name_resolve.nfs_record_root={tmp_path}/nr", *overrides])
+    """The training run's per-step stats, from a fresh Python process, as a user's training job runs: a trainer
+    run earlier in the same process (another AReaL test on this pytest worker) must not share its state."""
+    args = ["--config", str(CONFIG), f"cluster.fileroot={tmp_path}/exp",
+            f"cluster.name_resolve.nfs_record_root={tmp_path}/nr", *overrides]
+    out = tmp_path / "history.json"
+    code = ("import json, sys\n"
+            f"sys.path.insert(0, {str(ROOT / 'examples' / 'shapes_agent')!r})\n"
+            "from train import main\n"
+            f"history = main({args!r})\n"
+            f"open({str(out)!r}, 'w').write(json.dumps(history))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
 
 
 def test_openai_sdk_agent_trains_under_ppotrainer(tmp_path):
