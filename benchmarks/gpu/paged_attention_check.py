@@ -42,6 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from unsloth_rollout.engine.attention import ForwardContext  # noqa: E402
 from unsloth_rollout.engine.decode import paged_attention as pa  # noqa: E402
+from unsloth_rollout.engine.decode.graph import capture_cuda  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 2, 128, 36  # Qwen2.5-VL-3B's text attention
 PAGE = 16
@@ -139,15 +140,8 @@ def timed(fn, iters: int, cuda: bool) -> float:
 
 
 def replayed(fn, iters: int) -> float:
-    """Microseconds per replay of ``fn`` recorded as a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Microseconds per replay of ``fn`` recorded as a CUDA graph (as the graph step records: decode/graph.py)."""
+    g, _ = capture_cuda(fn)
     return timed(g.replay, iters, True)
 
 

@@ -19,6 +19,23 @@ from ..engine.inputs import mm_token_type_ids
 from ..models.families import family_of
 
 
+@contextlib.contextmanager
+def _trainer_forward(policy, on: bool):
+    """A trainer's scoring forward of ``policy``: the lock held, no grad, eval mode, fresh rope deltas (all put back
+    after), under the bitwise mode when ``on``."""
+    with policy.lock, torch.no_grad():
+        was_training = policy.model.training
+        policy.model.eval()
+        policy.clear_rope_deltas()
+        try:
+            with bitwise.mode(policy) if on else contextlib.nullcontext():
+                yield
+        finally:
+            policy.clear_rope_deltas()
+            if was_training:
+                policy.model.train()
+
+
 def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, padding: str = "right",
                      on: bool = True) -> list[torch.Tensor]:
     """Each output's ``log_softmax(logits / T)[token]`` from one batch forward over all of them (``padding`` "right",
@@ -38,17 +55,8 @@ def trainer_logprobs(policy, outputs, temperatures, vision: list | None = None, 
         return [res[i] for i in range(len(outputs))]
     kw, starts = batch_inputs(policy, outputs, vision, padding)
     ids_t = kw["input_ids"]
-    with policy.lock, torch.no_grad():
-        was_training = policy.model.training
-        policy.model.eval()
-        policy.clear_rope_deltas()
-        try:
-            with bitwise.mode(policy) if on else contextlib.nullcontext():
-                logits = policy.model(**kw).logits
-        finally:
-            policy.clear_rope_deltas()
-            if was_training:
-                policy.model.train()
+    with _trainer_forward(policy, on):
+        logits = policy.model(**kw).logits
     out = []
     for i, o in enumerate(outputs):
         start, n = starts[i], len(o.output_ids)
@@ -123,18 +131,9 @@ def _alone(policy, output, temperature, mm: dict, on: bool) -> torch.Tensor:
     if "pixel_values" in kw:
         kw["pixel_values"] = kw["pixel_values"].to(policy.dtype)
     kw = {key: v.to(dev) if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
-    with policy.lock, torch.no_grad():
-        was_training = policy.model.training
-        policy.model.eval()
-        policy.clear_rope_deltas()
-        try:
-            with bitwise.mode(policy) if on else contextlib.nullcontext():
-                logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                                      **kw).logits[0, n - 1:n - 1 + k]
-        finally:
-            policy.clear_rope_deltas()
-            if was_training:
-                policy.model.train()
+    with _trainer_forward(policy, on):
+        logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                              **kw).logits[0, n - 1:n - 1 + k]
     if on:
         return bitwise.token_logprobs(logits, ids[0, n:], temperature).cpu()
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)
