@@ -143,8 +143,8 @@ def test_the_kernel_matches_a_float64_attention(page, kvh, g, d, dtype, window, 
     _check(out, lse, ref_out, ref_lse, lens, dtype)
     # the module's own float64 reference (what benchmarks/gpu/paged_attention_check.py compares with) agrees too
     m_out, m_lse = pa.reference(q, kv.k[0], kv.v[0], tables, lens, scale, page=page, window=window, softcap=softcap)
-    torch.testing.assert_close(m_out, ref_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(m_lse, ref_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m_out, ref_out, rtol=1e-9, atol=1e-9)  # float64 summed in another order
+    torch.testing.assert_close(m_lse, ref_lse, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("window", [None, 7])

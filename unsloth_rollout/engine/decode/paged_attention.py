@@ -225,8 +225,11 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block
         s = torch.einsum("hgd,hld->hgl", qi, keys) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        lse[i] = torch.logsumexp(s, -1).reshape(h)
-        out[i] = torch.einsum("hgl,hld->hgd", torch.softmax(s, -1), values).reshape(h, d)
+        row_lse = torch.logsumexp(s, -1)
+        # exp(s - lse), not torch.softmax: the softmax kernel's vectorised exp differs between CPUs (AVX2, AVX-512)
+        # by ~1e-10, more than a float64 reference should carry
+        lse[i] = row_lse.reshape(h)
+        out[i] = torch.einsum("hgl,hld->hgd", torch.exp(s - row_lse.unsqueeze(-1)), values).reshape(h, d)
     return out, lse
 
 
