@@ -14,6 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+# Likewise inductor's compile workers: with more than one thread, every process that compiles (each worker, each
+# server or trainer a test starts) starts a pool of subprocesses that each import torch, on cores already in use.
+if _WORKERS > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = os.environ["OMP_NUM_THREADS"]
 
 import pytest
 import torch

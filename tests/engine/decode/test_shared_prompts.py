@@ -370,8 +370,13 @@ def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend
                                            decode=DecodeConfig(backend=backend, shared_prompt_min_tokens=32)), seed=0)
     ws, st = core.runner.decode_steps.workspace, core.runner.decode_steps.compiled
     assert (st is not None and st.reads_shared()) == (backend == "compiled")
+    if backend == "compiled":  # the graph over shared prompts waits for the first step that reads one
+        warm_plain = st.warm_compiled
+        assert not st.shared_ready() and 0 < warm_plain <= 2
     prompts = _prompts(policy.tokenizer)
     seqs, seen = _run_watching(core, prompts, [20, 8, 14], n=4, temperature=0.0)
+    if backend == "compiled":  # compiled then as warm-up compiles the plain graph: counted there, not a recompile
+        assert st.shared_ready() and warm_plain < st.warm_compiled <= 2 * warm_plain
     sampled, seen2 = _run_watching(core, prompts[1:], [10, 12], n=3, temperature=1.0)
     assert seen["entries"] == 3 and seen["steps"] >= 8 and seen2["steps"] >= 8, (seen, seen2)
     assert seen["steps"] + seen2["steps"] - 2 <= ws.shared_steps <= seen["steps"] + seen2["steps"]  # (prefills)
@@ -384,3 +389,31 @@ def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend
     for s in sampled:
         tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, backend
+
+
+def test_a_shared_prompt_graph_that_fails_to_compile_leaves_those_steps_eager(qwen2_dir, monkeypatch):
+    """The graph over shared prompts is compiled before the first step that reads one; where that compile raises,
+    steps over shared prompts run the eager workspace step (as without the CPU kernel), the plain graph keeps the
+    others, and the tokens still equal HF greedy's."""
+    from unsloth_rollout.engine.decode.compiled import CompiledStep
+
+    real_warm = CompiledStep._warm
+
+    def warm(self, ws, shared):
+        if shared:
+            raise RuntimeError("inductor failed on the shared-prompt graph")
+        return real_warm(self, ws, shared)
+
+    monkeypatch.setattr(CompiledStep, "_warm", warm)
+    policy = load_model(qwen2_dir, backend="transformers")
+    core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
+                                           decode=DecodeConfig(shared_prompt_min_tokens=32)), seed=0)
+    ws, st = core.runner.decode_steps.workspace, core.runner.decode_steps.compiled
+    assert st.reads_shared() and not st.shared_ready()
+    seqs, seen = _run_watching(core, _prompts(policy.tokenizer)[:2], [10, 6], n=3, temperature=0.0)
+    assert not st.reads_shared() and not st.shared_ready() and seen["steps"] > 0 and ws.shared_steps > 0
+    assert st.eager_steps >= seen["steps"] - 2 and st.recompiles == 0
+    for s in seqs:
+        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
+                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="eager shared steps")

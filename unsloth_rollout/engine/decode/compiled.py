@@ -25,8 +25,9 @@ layers through ``torch.compile``, with shapes that never force a recompile as se
   was, by the same step run eager through the cache-use guard.
 - Rows that read a shared prompt (decode/shared_prompts.py) read it inside the graph where the CPU kernel serves
   them (``reads_shared``): the store, each row's entry and each entry's length are tensor inputs (each layer gets
-  its store through ``ForwardContext.shared_kv``), in a graph of their own, compiled at warm-up beside the plain
-  one; the trust state says which a step runs, so steps without an entry pay nothing for it.
+  its store through ``ForwardContext.shared_kv``), in a graph of their own, compiled before the first such step
+  as warm-up compiles the plain one (``warm_shared``); the trust state says which a step runs, so steps without an
+  entry pay nothing for it.
 - Dynamo's guards (~150 us a layer call) are checked on the steps after the model may have changed; the other
   steps call trusted copies of the region (decode/trust.py).
 
@@ -93,6 +94,7 @@ class CompiledStep(DecodeStep):
         self.steps = 0
         self.eager_steps = 0  # steps this step did not serve (choose_step), run by the eager workspace step
         self._no_store = None  # the shared-prompt stand-ins of steps without a store entry (``shared_inputs``)
+        self._shared_warm = None  # the graph over shared prompts: None not yet compiled, True compiled, False failed
 
     # ------------------------------------------------------------------ the graph
     def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, shared=None,
@@ -210,9 +212,9 @@ class CompiledStep(DecodeStep):
 
     def reads_shared(self) -> bool:
         """Whether steps over shared prompts run in the graph (the CPU kernel, the workspace's shared prompts on):
-        such steps pass the store, and run their own graph (compiled at warm-up beside the plain one, which steps
-        without an entry keep: no per-step cost for them)."""
-        return bool(self.context.kernel) and self.ws.shared_prompts
+        such steps pass the store, and run their own graph (compiled before the first of them, ``warm_shared``;
+        steps without an entry keep the plain one: no per-step cost for them)."""
+        return bool(self.context.kernel) and self.ws.shared_prompts and self._shared_warm is not False
 
     def shared_inputs(self, b: int) -> CompiledSharedPrompts:
         """A step's shared prompts over ``b`` (padded) rows: the store's tensors, or zero stand-ins (two entries of
@@ -344,34 +346,72 @@ class CompiledStep(DecodeStep):
             internals.swap_attention(cfg, saved)
 
     def warm(self) -> None:
-        """Compile the step now (a throwaway batch of two rows in a free block), so no request waits on it."""
-        c, ws = self.context, self.ws
+        """Compile the plain step now (a throwaway batch of two rows in a free block), so no request waits on it.
+        The step over shared prompts is compiled the same way before the first step that reads one
+        (``warm_shared``): most engines never serve one."""
+        if self._warm(self.ws, shared=False):
+            self.warm_graphs = internals.compiled_graphs()
+
+    def shared_ready(self) -> bool:
+        """Whether the graph of steps over shared prompts is compiled (``warm_shared``)."""
+        return self._shared_warm is True
+
+    def warm_shared(self) -> bool:
+        """Before the first step whose rows read a shared prompt: compile that step's graph as ``warm`` compiles the
+        plain one, on a throwaway workspace of two rows (the engine's own holds this step's rows), counted as
+        warm-up, not as recompiles. False where it cannot run now (no free KV block: this step runs eager, the next
+        one tries again) or failed (then steps over shared prompts run eager, as without the CPU kernel)."""
+        if self._shared_warm is not None:
+            return self._shared_warm
+        ws = self.ws
+        spare = DecodeWorkspace(self.context.kv, shared_prompts=True, min_shared_tokens=ws.store.min_tokens)
+        spare.store.min_entries = ws.store.min_entries
+        self.ws = spare
+        try:
+            done = self._warm(spare, shared=True)
+        except Exception as e:  # noqa: BLE001 - steps over shared prompts run eager, as without the kernel
+            self._shared_warm = False
+            log.warning("compiled decode: the step over shared prompts could not be compiled (%s: %s); such steps "
+                        "run eager", type(e).__name__, str(e)[:300])
+            self.trust.distrust()
+        else:
+            if done:
+                self._shared_warm = True
+        finally:
+            self.ws = ws
+            spare.release()
+        return bool(self._shared_warm)
+
+    def _warm(self, ws: DecodeWorkspace, shared: bool) -> bool:
+        """The step over two throwaway rows in a free block: eager through the cache-use guard, then guarded (it
+        vouches for the layers), then trusted (it compiles the copies); ``shared``: over a stand-in store that no
+        row reads. False where no block or too small a budget let it run."""
+        c = self.context
         kv = c.kv
         blocks = kv.allocate(1)
         if blocks is None:
-            return
+            return False
         t, g0 = time.perf_counter(), internals.compiled_graphs()
         try:
             with c.policy.lock, torch.inference_mode(), c.policy.inference():
                 keys = [("warm", 0), ("warm", 1)]
                 if ws.arrange(keys, [2, 2], [blocks, blocks]) is None:
-                    return  # a workspace budget too small for two rows: every step gathers, eager
+                    return False  # a workspace budget too small for two rows: every step gathers, eager
                 args = self.prepare(DecodeRows([0, 0], [2, 2], [0, 0], [blocks, blocks]))
-                # the plain step, and the step over shared prompts (a stand-in store that no row reads)
-                variants = [args] + ([args[:-1] + (self.shared_inputs(len(args[0])),)] if self.reads_shared() else [])
-                for a in variants:
+                if shared:
+                    args = args[:-1] + (self.shared_inputs(len(args[0])),)
+                ws.lengths = [2, 2]
+                self.checked(args)
+                for _ in range(2):
                     ws.lengths = [2, 2]
-                    self.checked(a)  # the cache-use guard, eager
-                    for _ in range(2):  # guarded (it vouches for the layers), then trusted (compiles the copies)
-                        ws.lengths = [2, 2]
-                        self.call(a)
+                    self.call(args)
                 ws.advance()
         finally:
             ws.arrange([], [], [])
             kv.free(blocks)
-        self.warmup_s = time.perf_counter() - t
-        self.warm_graphs = internals.compiled_graphs()
-        self.warm_compiled = self.warm_graphs - g0  # 1 per kind of unit whatever the depth (0: cached earlier)
+        self.warmup_s += time.perf_counter() - t
+        self.warm_compiled += internals.compiled_graphs() - g0  # 1 per kind of unit whatever the depth
+        return True
 
     def stats(self) -> dict:
         trusts = self.trusts.values()  # one per unit size the step has run (decode/trust.py)

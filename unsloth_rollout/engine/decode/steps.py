@@ -85,10 +85,12 @@ class DecodeSteps:
             held = max(ws.own_lengths) if shared else max(rows.lengths)  # the most positions a row holds
             return compiled.fits(len(rows.tokens), held, shared)
 
+        reads_shared = compiled is not None and compiled.reads_shared()
+        if reads_shared and shared and not eager and rows.adapters is None and not compiled.shared_ready():
+            reads_shared = compiled.warm_shared()  # the first step over shared prompts: compile their graph now
         name = choose_step(arranged=arranged, compiled=compiled is not None, eager=eager,
-                           adapters=rows.adapters is not None, shared=shared,
-                           compiled_reads_shared=compiled is not None and compiled.reads_shared(), fits=fits,
-                           paged=self.paged is not None)
+                           adapters=rows.adapters is not None, shared=shared, compiled_reads_shared=reads_shared,
+                           fits=fits, paged=self.paged is not None)
         step = {"gather": self.gather, "workspace": self.eager, "compiled": self.graph or compiled,
                 "paged": self.paged}[name]
         if compiled is not None and not eager and step is self.eager:
