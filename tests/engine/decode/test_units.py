@@ -93,6 +93,8 @@ def test_a_hooked_decoder_layer_runs_layer_by_layer(policy, where):
     from torch.nn.modules.module import register_module_forward_hook
 
     engine = _engine(policy, 3)
+    # the graph over shared prompts too, before the hook (an engine compiles it before its first group otherwise)
+    assert engine.core.runner.decode_steps.compiled.warm_shared()
     layer = engine.core.runner.decode_steps.compiled.layers[1]
     if where == "layer":
         handle = layer.register_forward_hook(lambda mod, args, out: out.mul_(1.5))
@@ -117,13 +119,18 @@ def test_a_hooked_decoder_layer_runs_layer_by_layer(policy, where):
         engine.shutdown()
 
 
-def test_a_loop_that_changes_what_a_layer_gets_is_caught(policy):
+@pytest.mark.parametrize("shared_graph", ["before", "after"])
+def test_a_loop_that_changes_what_a_layer_gets_is_caught(policy, shared_graph):
     """Each decoder layer's ``__call__`` shifts its input (the model's loop then passes a layer something other than
-    its predecessor's output): the followers notice, the step runs again layer by layer, tokens stay HF's."""
+    its predecessor's output): the followers notice, the step runs again layer by layer, tokens stay HF's. The
+    graph over shared prompts compiled before the change, or after it (before the first group: what that compile
+    traced because of the change counts as recompiles)."""
     engine = _engine(policy, 3)
     st = engine.core.runner.decode_steps.compiled
     layers = st.layers
     base = type(layers[0])
+    if shared_graph == "before":
+        assert st.warm_shared()
 
     class Shifted(base):
         def __call__(self, hidden_states, *args, **kwargs):

@@ -95,6 +95,7 @@ class CompiledStep(DecodeStep):
         self.eager_steps = 0  # steps this step did not serve (choose_step), run by the eager workspace step
         self._no_store = None  # the shared-prompt stand-ins of steps without a store entry (``shared_inputs``)
         self._shared_warm = None  # the graph over shared prompts: None not yet compiled, True compiled, False failed
+        self._warm_size = self.unit_size  # the unit size warm-up compiled
 
     # ------------------------------------------------------------------ the graph
     def _step(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v, shared=None,
@@ -349,6 +350,7 @@ class CompiledStep(DecodeStep):
         """Compile the plain step now (a throwaway batch of two rows in a free block), so no request waits on it.
         The step over shared prompts is compiled the same way before the first step that reads one
         (``warm_shared``): most engines never serve one."""
+        self._warm_size = self.unit_size
         if self._warm(self.ws, shared=False):
             self.warm_graphs = internals.compiled_graphs()
 
@@ -359,16 +361,26 @@ class CompiledStep(DecodeStep):
     def warm_shared(self) -> bool:
         """Before the first step whose rows read a shared prompt: compile that step's graph as ``warm`` compiles the
         plain one, on a throwaway workspace of two rows (the engine's own holds this step's rows), counted as
-        warm-up, not as recompiles. False where it cannot run now (no free KV block: this step runs eager, the next
-        one tries again) or failed (then steps over shared prompts run eager, as without the CPU kernel)."""
+        warm-up, not as recompiles. Whether steps over shared prompts may run compiled: False where it cannot run
+        now (no free KV block: this step runs eager, the next one tries again) or failed (then such steps run
+        eager, as without the CPU kernel). Units of another size than warm-up's (a hooked layer, a changed layer
+        loop) compile as their steps run, counted as recompiles, as the plain graph's do; so does a warm-up here
+        during which the units changed."""
         if self._shared_warm is not None:
             return self._shared_warm
+        if self.unit_size != self._warm_size:
+            return True
         ws = self.ws
         spare = DecodeWorkspace(self.context.kv, shared_prompts=True, min_shared_tokens=ws.store.min_tokens)
         spare.store.min_entries = ws.store.min_entries
         self.ws = spare
+        compiled_before = self.warm_compiled
         try:
             done = self._warm(spare, shared=True)
+            if self.unit_size != self._warm_size:  # the model changed under the warm-up: its compiles are recompiles
+                self.recompiles += self.warm_compiled - compiled_before
+                self.warm_compiled = compiled_before
+                return True
         except Exception as e:  # noqa: BLE001 - steps over shared prompts run eager, as without the kernel
             self._shared_warm = False
             log.warning("compiled decode: the step over shared prompts could not be compiled (%s: %s); such steps "
