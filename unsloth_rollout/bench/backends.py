@@ -135,9 +135,12 @@ class EngineBackend(Backend):
                                  sampling=sp, request_id=f"bench-{r.index}")
 
     def warmup(self, ctx):
-        req = self._request(ctx, warmup_request(ctx.workload.requests[0]))
-        req.request_id = "bench-warmup"
-        self.engine.generate([req])
+        # the first group, as hf-batched warms: a group's samples read their shared prompt once, in a graph the
+        # compiled step compiles before the first such step
+        reqs = [self._request(ctx, warmup_request(r)) for r in ctx.workload.groups()[0]]
+        for i, req in enumerate(reqs):
+            req.request_id = f"bench-warmup-{i}"
+        self.engine.generate(reqs)
 
     def run(self, ctx, requests, t0, progress):
         futs = []
