@@ -377,22 +377,22 @@ class CompiledStep(DecodeStep):
         compiled_before = self.warm_compiled
         try:
             done = self._warm(spare, shared=True)
-            if self.unit_size != self._warm_size:  # the model changed under the warm-up: its compiles are recompiles
-                self.recompiles += self.warm_compiled - compiled_before
-                self.warm_compiled = compiled_before
-                return True
         except Exception as e:  # noqa: BLE001 - steps over shared prompts run eager, as without the kernel
             self._shared_warm = False
             log.warning("compiled decode: the step over shared prompts could not be compiled (%s: %s); such steps "
                         "run eager", type(e).__name__, str(e)[:300])
             self.trust.distrust()
-        else:
-            if done:
-                self._shared_warm = True
+            return False
         finally:
             self.ws = ws
             spare.release()
-        return bool(self._shared_warm)
+        if self.unit_size != self._warm_size:  # the model changed under the warm-up: its compiles are recompiles
+            self.recompiles += self.warm_compiled - compiled_before
+            self.warm_compiled = compiled_before
+            return True
+        if done:
+            self._shared_warm = True
+        return done
 
     def _warm(self, ws: DecodeWorkspace, shared: bool) -> bool:
         """The step over two throwaway rows in a free block: eager through the cache-use guard, then guarded (it

@@ -86,7 +86,7 @@ class DecodeSteps:
             return compiled.fits(len(rows.tokens), held, shared)
 
         reads_shared = compiled is not None and compiled.reads_shared()
-        if reads_shared and shared and not eager and rows.adapters is None and not compiled.shared_ready():
+        if reads_shared and shared and not eager and rows.adapters is None:
             reads_shared = compiled.warm_shared()  # the first step over shared prompts: compile their graph now
         name = choose_step(arranged=arranged, compiled=compiled is not None, eager=eager,
                            adapters=rows.adapters is not None, shared=shared, compiled_reads_shared=reads_shared,
