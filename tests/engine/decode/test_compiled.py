@@ -165,6 +165,87 @@ def test_compiled_step_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
     assert _graphs() == graphs
 
 
+def test_engines_of_one_architecture_share_graphs_and_step_exactly_side_by_side(qwen2_dir):
+    """A second engine on another model of the same architecture (other LoRA weights) starts on the first one's
+    compiled graphs: it compiles nothing, its steps are trusted, and the two engines, stepping at once in two
+    threads, each sample what their own model's teacher-forced forward gives (which graph served a layer is
+    recorded per thread). A model of another config gets graphs of its own."""
+    import threading
+
+    from unsloth_rollout.engine.decode.trust import forget_regions
+
+    forget_regions()
+    policies, engines = [], []
+    for seed in (0, 1):
+        policies.append(load_model(qwen2_dir, backend="transformers", lora={"r": 8, "random_state": seed}))
+        assert perturb_lora(policies[-1].model, std=0.3, seed=seed) > 0
+    try:
+        for i, policy in enumerate(policies):
+            graphs = _graphs()
+            engines.append(RolloutEngine(policy, EngineConfig(kv_cache_memory_bytes=16 << 20,
+                                                              decode=DecodeConfig(backend="compiled")), seed=0))
+            st = engines[-1].core.runner.decode_steps.compiled
+            assert (st.warm_compiled > 0) == (i == 0) and (_graphs() > graphs) == (i == 0), (i, st.warm_compiled)
+        sts = [e.core.runner.decode_steps.compiled for e in engines]
+        assert sts[0].trust.region is sts[1].trust.region and sts[0].trust is not sts[1].trust
+        tok = policies[0].tokenizer
+        texts = ["the lazy dog sleeps while", "12 + 7 =", "Bob and Carol went to the market", "alice counts"]
+        reqs = [_req(tok.encode(t), 24, temperature=1.0, seed=i) for i, t in enumerate(texts)]
+        outs, errors, start = [None, None], [], threading.Barrier(2)
+
+        def run(i):
+            try:
+                start.wait()
+                outs[i] = engines[i].generate(reqs)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert outs[0][0].output_ids != outs[1][0].output_ids or outs[0][1].output_ids != outs[1][1].output_ids
+        for policy, st, got in zip(policies, sts, outs):
+            assert st.trust.trusted_steps >= 20 and st.recompiles == 0 and st.eager_steps == 0
+            with torch.no_grad():
+                for r, o in zip(reqs, got):
+                    lp, _ = teacher_forced(policy, o.prompt_ids, o.output_ids, 1.0)
+                    assert (torch.tensor(o.output_logprobs) - lp).abs().max() <= 1e-5
+    finally:
+        for e in engines:
+            e.shutdown()
+    other = load_model(qwen2_dir, backend="transformers", lora={"r": 4, "random_state": 0})
+    engine = RolloutEngine(other, EngineConfig(kv_cache_memory_bytes=16 << 20, decode=DecodeConfig(backend="compiled")))
+    try:
+        st = engine.core.runner.decode_steps.compiled
+        assert st.trust.region is not sts[0].trust.region and st.warm_compiled > 0
+    finally:
+        engine.shutdown()
+
+
+def test_the_graphs_a_call_ran_are_recorded_per_thread():
+    """Engines sharing a region step in threads of their own: what one thread's call ran is not seen by another
+    thread that is between two of its own calls (a guarded step vouches for the graphs its own layers ran)."""
+    import threading
+
+    from unsloth_rollout.engine.decode.trust import tagged_backend
+
+    backend = tagged_backend(None)
+    if backend is None:
+        pytest.skip("this torch has no inductor wrapper class")
+    fn = torch.compile(lambda x: x * 2 + 1, backend=backend, dynamic=False)
+    x = torch.ones(4)
+    fn(x)
+    backend.ran = []
+    other = threading.Thread(target=lambda: [fn(x) for _ in range(3)])
+    other.start()
+    other.join()
+    assert backend.ran == []
+    fn(x)
+    assert backend.ran == [0]
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3_text"])
 def test_compiled_step_trusted_steps_exact_for_mixed_layer_kinds(family):
     """Families whose layers differ (sliding vs full attention, Gemma 2's soft-capping, Gemma 3's per-kind rotary):

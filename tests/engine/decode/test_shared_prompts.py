@@ -15,6 +15,7 @@ from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout.engine.attention import shared_prompt_attention
 from unsloth_rollout.engine.core import EngineCore
+from unsloth_rollout.engine.decode.trust import forget_regions
 from unsloth_rollout.engine.decode.workspace import DecodeWorkspace
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.sequence import Sequence
@@ -364,6 +365,7 @@ def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend
     eager and compile nothing after warm-up, while groups join, finish and leave entries behind. Tokens equal HF
     greedy's; sampled logprobs equal a teacher-forced forward (a LoRA model). The eager workspace runs the same
     op, for the same results."""
+    forget_regions()  # this engine's own compiles are counted below (engines of one model share graphs otherwise)
     policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
     perturb_lora(policy.model, std=0.3)
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,

@@ -48,7 +48,7 @@ from .. import internals
 from ..attention import ATTN_NAME, CTX_KWARG, ForwardContext, set_current
 from .shared_prompts import CompiledSharedPrompts, step_tensors
 from .step import DecodeContext, DecodeRows, DecodeStep, step_inputs, write_slots
-from .trust import LayerTrust
+from .trust import LayerTrust, region_for
 from .units import Hooked, Lead, Ungrouped, decoder_layers, layer_hooked, plan_units, units_call
 from .views import CompiledView, LayerView, mark_step
 from .workspace import DecodeWorkspace
@@ -120,10 +120,24 @@ class CompiledStep(DecodeStep):
         self.unit_size, self.units = size, plan_units(self.layers, size)
         trust = self.trusts.get(size)
         if trust is None:
-            trust = self.trusts[size] = LayerTrust(units_call, [[self.layers[i] for i in u] for u in self.units],
-                                                   self.mode)
+            region = region_for(units_call, self.mode, self._signature() + (size,))
+            trust = self.trusts[size] = LayerTrust(region, [[self.layers[i] for i in u] for u in self.units])
         self.trust = trust
         trust.distrust()  # its first step guarded
+
+    def _signature(self) -> tuple:
+        """What engines whose layers may share compiled graphs have in common (decode/trust.py's ``region_for``):
+        the model's class and config, its parameters' dtypes, the device, its adapters, the attention path."""
+        c = self.context
+        m = c.policy.model
+        try:
+            config = m.config.to_json_string()
+        except Exception:  # noqa: BLE001 - a config that does not serialize: this model's own region
+            config = id(m)
+        peft = getattr(m, "peft_config", None) or {}
+        return (type(m), tuple(type(layer) for layer in self.layers), config,
+                tuple(sorted({str(p.dtype) for p in m.parameters()})), str(self.device),
+                tuple(sorted((k, repr(v)) for k, v in peft.items())), c.inner, c.kernel)
 
     def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v,
                      shared=None):

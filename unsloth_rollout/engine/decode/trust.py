@@ -23,11 +23,20 @@ A trusted copy whose own trace differs from the graph it copies (a value the gua
 baked in by the copy) is never used (``_copy``). PEFT's switches (``disable_adapter`` and the like) bump the
 engine's clock by themselves (``WeightsClock.watch``). What trusted steps assume: nothing else about a decoder
 layer changes without ``weights_changed``.
+
+The region itself (the guarded function, its backend, the trusted copies) is a ``Region`` shared by every engine
+whose layers have one signature (``region_for``: model class, config, dtypes, device, adapters, compile mode, unit
+size, attention path): a second engine on the same model, or on another model of one architecture, starts on graphs
+already compiled. Sharing changes nothing dynamo checks: a guarded step of any engine runs a graph only where its
+guards pass for that engine's layers, and each engine vouches for its own layers. A region that has compiled
+``SHARED_GRAPHS`` graphs is not handed to new engines (dynamo stops compiling a code object past its recompile
+limit); which graph a call ran is recorded per thread (engines step in threads of their own).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 
 import torch
@@ -35,6 +44,7 @@ import torch
 from .. import internals
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
+SHARED_GRAPHS = 6  # graphs a region compiles before new engines get a region of their own (dynamo's limit is 8)
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
                          "DETERMINISTIC_ALGORITHMS", "DUPLICATE_INPUT"})
 _copies = itertools.count()
@@ -63,7 +73,16 @@ def tagged_backend(mode):
         def __init__(self):
             super().__init__(mode, None, None)
             self.__name__ = "inductor"
-            self.count, self.ran, self.codes = 0, [], []
+            self.count, self.codes = 0, []
+            self.local = threading.local()  # .ran: the graphs this thread's calls ran
+
+        @property
+        def ran(self) -> list:
+            return self.local.__dict__.setdefault("ran", [])
+
+        @ran.setter
+        def ran(self, value: list) -> None:
+            self.local.ran = value
 
         def __call__(self, gm, example_inputs):
             fn, gid = super().__call__(gm, example_inputs), self.count
@@ -94,16 +113,51 @@ def hooks_now(hooked: list) -> tuple:
     return internals.hook_counter(), tuple(len(h) for h in hooked), len(hooks), len(pre_hooks)
 
 
-class LayerTrust:
-    """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
+class Region:
+    """A compiled region of decoder layers: the guarded function, the backend that numbers its graphs, the trusted
+    copies per graph, and the graphs whose copy traced differently (never trusted)."""
 
-    def __init__(self, fn, units: list, mode):
-        self.fn, self.units, self.mode = fn, units, mode  # units: lists of consecutive decoder layers
+    def __init__(self, fn, mode):
+        self.fn = fn
         self.backend = tagged_backend(mode)
         self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
                                      **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
-        self.enabled = self.backend is not None
         self.copies: dict[int, object] = {}  # graph number -> its trusted copy
+        self.untrusted: set[int] = set()  # graphs whose trusted copy traced to another graph (LayerTrust._copy)
+
+    def full(self) -> bool:
+        return self.backend is not None and self.backend.count >= SHARED_GRAPHS
+
+
+_regions: dict[tuple, Region] = {}
+_regions_lock = threading.Lock()
+
+
+def region_for(fn, mode, signature: tuple) -> Region:
+    """The region engines of ``signature`` share (a fresh one once it has compiled ``SHARED_GRAPHS`` graphs)."""
+    key = (fn, mode, signature)
+    with _regions_lock:
+        region = _regions.get(key)
+        if region is None or region.full():
+            region = _regions[key] = Region(fn, mode)
+        return region
+
+
+def forget_regions() -> None:
+    """Engines created after this compile regions of their own, as in a fresh process (the regions held stay with
+    the engines that hold them)."""
+    with _regions_lock:
+        _regions.clear()
+
+
+class LayerTrust:
+    """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
+
+    def __init__(self, region: Region, units: list):
+        self.region, self.units = region, units  # units: lists of consecutive decoder layers
+        self.fn, self.backend, self.guarded = region.fn, region.backend, region.guarded
+        self.enabled = self.backend is not None
+        self.copies, self.untrusted = region.copies, region.untrusted
         self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
         self.state = None  # what the last guarded step ran under
         self.dicts, self.forwards, self.hooked, self.hooks = [], [], [], None  # what _unchanged compares
@@ -111,7 +165,6 @@ class LayerTrust:
         self.guarded_steps = self.trusted_steps = 0
         self.last_trusted = False  # whether the step now running is a trusted one
         self.failed_trusted = 0  # trusted steps that raised and ran again guarded (CompiledStep.execute)
-        self.untrusted: set[int] = set()  # graphs whose trusted copy traced to another graph (_copy)
 
     def fns(self, state) -> tuple[list, list | None, bool]:
         """(the function per layer, a list the guarded step fills with the graphs each layer ran or None, whether
