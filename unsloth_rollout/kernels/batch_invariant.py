@@ -33,22 +33,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import BitwiseModeError
-from .build import build_library
+from .build import LazyLibrary, build_library
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-
-_lock = threading.Lock()
-_lib = None
-_error: str | None = None
-_tried = False
 
 # bi_unary_f32's functions, by the index the C source gives them
 _UNARY = {name: i for i, name in enumerate((
@@ -69,35 +63,23 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def _library():
-    global _lib, _error, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _lib = _load()
-            except Exception as e:  # no compiler, a failed build: the mode is refused by name
-                _error = f"{type(e).__name__}: {e}"
-                log.warning("batch-invariant kernels unavailable (%s)", _error)
-            _tried = True
-    return _lib
+_kernels = LazyLibrary(_load, "batch-invariant kernels", "the bitwise mode is refused by name")
 
 
 def available() -> bool:
     """Whether the kernels are built and loaded (builds them on the first call, ~5 s)."""
-    return _library() is not None
+    return _kernels.get() is not None
 
 
 def build_error() -> str | None:
     """Why the kernels could not be built (None: they were, or were not tried yet)."""
-    return _error
+    return _kernels.error
 
 
 def _lib_or_raise():
-    lib = _library()
+    lib = _kernels.get()
     if lib is None:
-        raise BitwiseModeError(f"the bitwise on-policy mode's CPU kernels could not be built: {_error}")
+        raise BitwiseModeError(f"the bitwise on-policy mode's CPU kernels could not be built: {_kernels.error}")
     return lib
 
 

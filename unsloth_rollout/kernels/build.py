@@ -13,14 +13,19 @@ libraries; torch's version and location are then part of the key, and so are the
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -105,3 +110,29 @@ def build_library(name: str, *, torch_headers: bool = False, link: tuple[Path, .
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return out
+
+
+class LazyLibrary:
+    """A kernel library built and loaded on its first use, once per process (``load``: build it, bind its
+    functions, return it). ``get()`` is the library, or None where ``load`` raised (no compiler, a failed build);
+    ``error`` says why, and a warning names ``what`` falls back to (``unavailable``)."""
+
+    def __init__(self, load: Callable[[], object], what: str, unavailable: str):
+        self._load, self.what, self.unavailable = load, what, unavailable
+        self._lock = threading.Lock()
+        self.lib = None
+        self.error: str | None = None
+        self.tried = False
+
+    def get(self):
+        if self.tried:
+            return self.lib
+        with self._lock:
+            if not self.tried:
+                try:
+                    self.lib = self._load()
+                except Exception as e:  # noqa: BLE001 - the caller's fallback (``unavailable``) serves
+                    self.error = f"{type(e).__name__}: {e}"
+                    log.warning("%s unavailable (%s); %s", self.what, self.error, self.unavailable)
+                self.tried = True
+        return self.lib

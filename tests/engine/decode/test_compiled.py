@@ -165,14 +165,17 @@ def test_compiled_step_mrope_vlm_matches_hf_generate(qwen2_5_vl_dir):
     assert _graphs() == graphs
 
 
-def test_engines_of_one_architecture_share_graphs_and_step_exactly_side_by_side(qwen2_dir):
+def test_engines_of_one_architecture_share_graphs_and_step_exactly_side_by_side(qwen2_dir, monkeypatch):
     """A second engine on another model of the same architecture (other LoRA weights) starts on the first one's
     compiled graphs: it compiles nothing, its steps are trusted, and the two engines, stepping at once in two
     threads, each sample what their own model's teacher-forced forward gives (which graph served a layer is
-    recorded per thread). A model of another config gets graphs of its own."""
+    recorded per thread). A model of another config gets graphs of its own, and so does an engine that finds the
+    region full (dynamo stops compiling a code object past its recompile limit)."""
     import threading
 
-    from unsloth_rollout.engine.decode.trust import forget_regions
+    from unsloth_rollout.engine.decode import trust
+    from unsloth_rollout.engine.decode.trust import forget_regions, region_for
+    from unsloth_rollout.engine.decode.units import units_call
 
     forget_regions()
     policies, engines = [], []
@@ -188,6 +191,11 @@ def test_engines_of_one_architecture_share_graphs_and_step_exactly_side_by_side(
             assert (st.warm_compiled > 0) == (i == 0) and (_graphs() > graphs) == (i == 0), (i, st.warm_compiled)
         sts = [e.core.runner.decode_steps.compiled for e in engines]
         assert sts[0].trust.region is sts[1].trust.region and sts[0].trust is not sts[1].trust
+        key = (units_call, sts[0].mode, sts[0]._signature() + (sts[0].unit_size,))
+        assert region_for(*key) is sts[0].trust.region
+        with monkeypatch.context() as m:
+            m.setattr(trust, "SHARED_GRAPHS", 1)
+            assert region_for(*key) is not sts[0].trust.region
         tok = policies[0].tokenizer
         texts = ["the lazy dog sleeps while", "12 + 7 =", "Bob and Carol went to the market", "alice counts"]
         reqs = [_req(tok.encode(t), 24, temperature=1.0, seed=i) for i, t in enumerate(texts)]
@@ -222,6 +230,50 @@ def test_engines_of_one_architecture_share_graphs_and_step_exactly_side_by_side(
         assert st.trust.region is not sts[0].trust.region and st.warm_compiled > 0
     finally:
         engine.shutdown()
+
+
+def test_an_engine_that_cannot_trust_a_shared_region_moves_to_its_own(qwen2_dir):
+    """Two engines share a region; one changes its LoRA scale (PEFT's ``set_scale``), so dynamo retraces the shared
+    region with the scale as an input, a graph whose trusted copy (which bakes the scale) is never trusted. The
+    other engine's next guarded step is served that graph by dynamo: it moves to a region of its own, once, and its
+    steps are trusted again there. Every step's tokens stay HF greedy's."""
+    from unsloth_rollout.engine.decode.trust import forget_regions
+    from unsloth_rollout.models.adapters import tuner_layers
+
+    forget_regions()
+    policies, engines = [], []
+    for seed in (0, 1):
+        policies.append(load_model(qwen2_dir, backend="transformers", lora={"r": 8, "random_state": seed}))
+        assert perturb_lora(policies[-1].model, std=0.3, seed=seed) > 0
+        engines.append(RolloutEngine(policies[-1], EngineConfig(kv_cache_memory_bytes=16 << 20,
+                                                                decode=DecodeConfig(backend="compiled")), seed=0))
+    try:
+        (pa, pb), (ea, eb) = policies, engines
+        sa, sb = (e.core.runner.decode_steps.compiled for e in engines)
+        ids = pa.tokenizer.encode("erin stacks eleven red cups and")
+
+        def check(policy, engine):
+            assert engine.generate([_req(ids, 8)])[0].output_ids == _greedy(policy, ids, 8)
+        check(pa, ea)
+        check(pb, eb)
+        shared = sa.trust.region
+        assert sb.trust.region is shared and sb.trust.trusted_steps > 0
+        for m in tuner_layers(pa.model):
+            if "default" in getattr(m, "scaling", {}):
+                m.set_scale("default", 4.0)
+        check(pa, ea)
+        check(pa, ea)
+        assert shared.untrusted, "the scale was meant to make a graph whose copy cannot be trusted"
+        eb.weights_changed()
+        check(pb, eb)  # a guarded step served the untrusted graph: the engine moves to a region of its own
+        assert sb.trust.detached and sb.trust.region is not shared
+        check(pb, eb)
+        trusted, guarded = sb.trust.trusted_steps, sb.trust.guarded_steps
+        check(pb, eb)
+        assert sb.trust.trusted_steps > trusted and sb.trust.guarded_steps == guarded and sb.eager_steps == 0
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 def test_the_graphs_a_call_ran_are_recorded_per_thread():

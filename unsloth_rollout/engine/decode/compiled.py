@@ -20,9 +20,10 @@ layers through ``torch.compile``, with shapes that never force a recompile as se
   serves every batch size >= 2 (a batch of one is padded to two: dynamo specializes size-1 dimensions) and
   every context length. On CUDA the batch is also padded to a bucket (``BATCH_BUCKETS``) and the key length
   to a multiple of 16 (of 128 under the graph step: a bounded set of graphs, decode/graph.py).
-- The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``); compiles after that
-  are counted (``stats()["decode_recompiles"]``); a step that traced a new graph is checked, as warm-up's
-  was, by the same step run eager through the cache-use guard.
+- The graph is compiled at engine start (``warm``, time in ``stats()["decode_warmup_s"]``), once per process for
+  engines whose layers have one signature (``_signature``; they share the region, decode/trust.py); compiles
+  after that are counted (``stats()["decode_recompiles"]``); a step that traced a new graph is checked, as
+  warm-up's was, by the same step run eager through the cache-use guard.
 - Rows that read a shared prompt (decode/shared_prompts.py) read it inside the graph where the CPU kernel serves
   them (``reads_shared``): the store, each row's entry and each entry's length are tensor inputs (each layer gets
   its store through ``ForwardContext.shared_kv``), in a graph of their own, compiled before the first such step

@@ -36,12 +36,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-from ...kernels.build import build_library
+from ...kernels.build import LazyLibrary, build_library
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +50,7 @@ _MAX_GROUP = 8
 _CODES = {1: "unsupported head size or query heads per KV head", 3: "a row's key range is outside the keys",
           4: "a row's prefix entry or its length is outside the prefix keys"}
 
-_lock = threading.Lock()
-_lib = None
-_error: str | None = None
-_tried = False
-_op = None  # the registered op (C++ or Python), set with _lib
+_op = None  # the registered op (C++ or Python), set when the library loads
 _op_prefixed = None  # unsloth_rollout::decode_attention_prefixed, registered with _op
 _op_error: str | None = None  # why the op is the Python one
 
@@ -99,29 +94,17 @@ def _define_op(kernel: Path):
     return op, error
 
 
-def _library():
-    global _lib, _error, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _lib = _load()
-            except Exception as e:  # no compiler, a failed build, no OpenMP: SDPA, as before
-                _error = f"{type(e).__name__}: {e}"
-                log.warning("CPU decode attention kernel unavailable (%s); decode attention uses SDPA", _error)
-            _tried = True
-    return _lib
+_kernel = LazyLibrary(_load, "CPU decode attention kernel", "decode attention uses SDPA")
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
-    return enabled_by_env() and _library() is not None
+    return enabled_by_env() and _kernel.get() is not None
 
 
 def build_error() -> str | None:
     """Why the kernel could not be built (None: it was, or was not tried yet)."""
-    return _error
+    return _kernel.error
 
 
 def op_registration() -> str | None:
@@ -150,7 +133,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi
     b, kvh, g, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, kvh, g), dtype=torch.float32)
-    rc = _lib.decode_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+    rc = _kernel.lib.decode_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                                    lo.data_ptr(), hi.data_ptr(), b, kvh, g, d, min(k.shape[2], v.shape[2]),
                                    *k.stride()[:3], *v.stride()[:3], float(scale), torch.get_num_threads())
     if rc != 0:
@@ -174,7 +157,7 @@ def _run_prefixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.T
                            f"{tuple(plen.shape)} do not match q {tuple(q.shape)}")
     out = torch.empty_like(q)
     lse = torch.empty((b, kvh, g), dtype=torch.float32)
-    rc = _lib.decode_attention_prefixed_f32(
+    rc = _kernel.lib.decode_attention_prefixed_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), lo.data_ptr(), hi.data_ptr(),
         pk.data_ptr(), pv.data_ptr(), pe.data_ptr(), plen.data_ptr(), b, kvh, g, d, min(k.shape[2], v.shape[2]),
         pk.shape[0], min(pk.shape[2], pv.shape[2]), *k.stride()[:3], *v.stride()[:3], *pk.stride()[:3],
@@ -210,8 +193,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _prepare(query: torch.Tensor, key: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float, bool]:
     """(the queries grouped by KV head ``[B, KV, G, D]``, the scale, whether to call the Python op's body directly:
     the op is the Python one and no graph is being traced)."""
-    if _library() is None:
-        raise RuntimeError(f"CPU decode attention kernel unavailable: {_error or 'disabled'}")
+    if _kernel.get() is None:
+        raise RuntimeError(f"CPU decode attention kernel unavailable: {_kernel.error or 'disabled'}")
     b, h, _, d = query.shape
     kvh = key.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)

@@ -44,7 +44,8 @@ import torch
 from .. import internals
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
-SHARED_GRAPHS = 6  # graphs a region compiles before new engines get a region of their own (dynamo's limit is 8)
+SHARED_GRAPHS = 6  # graphs the guarded function compiles before new engines get a region of their own (dynamo
+# stops compiling a code object past 8)
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
                          "DETERMINISTIC_ALGORITHMS", "DUPLICATE_INPUT"})
 _copies = itertools.count()
@@ -118,15 +119,19 @@ class Region:
     copies per graph, and the graphs whose copy traced differently (never trusted)."""
 
     def __init__(self, fn, mode):
-        self.fn = fn
+        self.fn, self.mode = fn, mode
+        self.users = 0  # LayerTrusts that took this region
         self.backend = tagged_backend(mode)
         self.guarded = torch.compile(region_copy(fn, "guarded"), dynamic=None,
                                      **({"backend": self.backend} if self.backend is not None else {"mode": mode}))
         self.copies: dict[int, object] = {}  # graph number -> its trusted copy
         self.untrusted: set[int] = set()  # graphs whose trusted copy traced to another graph (LayerTrust._copy)
+        self.copy_graphs = 0  # of the backend's graphs, those the trusted copies compiled (each its own code)
 
-    def full(self) -> bool:
-        return self.backend is not None and self.backend.count >= SHARED_GRAPHS
+    def shareable(self) -> bool:
+        """Whether a new engine may take it: every trusted copy traced as its graph, and the guarded function has
+        compiled fewer than ``SHARED_GRAPHS`` graphs."""
+        return not self.untrusted and (self.backend is None or self.backend.count - self.copy_graphs < SHARED_GRAPHS)
 
 
 _regions: dict[tuple, Region] = {}
@@ -134,12 +139,13 @@ _regions_lock = threading.Lock()
 
 
 def region_for(fn, mode, signature: tuple) -> Region:
-    """The region engines of ``signature`` share (a fresh one once it has compiled ``SHARED_GRAPHS`` graphs)."""
+    """The region engines of ``signature`` share (a fresh one where the last is no longer ``shareable``)."""
     key = (fn, mode, signature)
     with _regions_lock:
         region = _regions.get(key)
-        if region is None or region.full():
+        if region is None or not region.shareable():
             region = _regions[key] = Region(fn, mode)
+        region.users += 1
         return region
 
 
@@ -154,10 +160,9 @@ class LayerTrust:
     """Per step: the compiled function each decoder layer calls (``fns``); after a guarded step, ``vouch``."""
 
     def __init__(self, region: Region, units: list):
-        self.region, self.units = region, units  # units: lists of consecutive decoder layers
-        self.fn, self.backend, self.guarded = region.fn, region.backend, region.guarded
-        self.enabled = self.backend is not None
-        self.copies, self.untrusted = region.copies, region.untrusted
+        self.units = units  # lists of consecutive decoder layers
+        self._use(region)
+        self.detached = False  # whether it left a shared region for one of its own (vouch)
         self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
         self.state = None  # what the last guarded step ran under
         self.dicts, self.forwards, self.hooked, self.hooks = [], [], [], None  # what _unchanged compares
@@ -192,17 +197,32 @@ class LayerTrust:
         ran[i] = tuple(self.backend.ran) if self.backend is not None else ()
         return out
 
+    def _use(self, region: Region) -> None:
+        self.region = region
+        self.fn, self.backend, self.guarded = region.fn, region.backend, region.guarded
+        self.enabled = self.backend is not None
+        self.copies, self.untrusted = region.copies, region.untrusted
+
     def vouch(self, ran: list, state) -> None:
-        """After a guarded step: trust its units when every one ran as exactly one compiled graph."""
+        """After a guarded step: trust its units when every one ran as exactly one compiled graph.
+
+        In a region other engines share, a step whose units cannot be trusted (a graph another engine's history
+        made, whose trusted copy traced differently; a region past dynamo's recompile limit, run eager) moves this
+        engine to a region of its own, once: its next guarded step compiles there, as an engine alone would."""
         self.since = 0
-        if self.enabled and all(len(g) == 1 for g in ran):
-            self.graphs, self.state = [g[0] for g in ran], state
+        graphs = [g[0] for g in ran] if self.enabled and all(len(g) == 1 for g in ran) else None
+        if graphs is not None and self.untrusted.isdisjoint(graphs):
+            self.graphs, self.state = graphs, state
             self.dicts = [m.__dict__ for unit in self.units for layer in unit for m in layer.modules()]
             self.forwards = _forwards(self.dicts)
             self.hooked = [h for d in self.dicts for h in internals.hook_dicts(d) if h]
             self.hooks = hooks_now(self.hooked)
-        else:
-            self.graphs, self.state = None, None
+            return
+        self.graphs, self.state = None, None
+        if self.enabled and self.region.users > 1 and not self.detached:
+            self.detached = True
+            self._use(Region(self.fn, self.region.mode))
+            self.region.users = 1
 
     def distrust(self, failed: bool = False) -> None:
         """The next step runs guarded (``failed``: a trusted step raised and runs again guarded)."""
@@ -230,6 +250,7 @@ class LayerTrust:
             def first(*args, **kwargs):
                 n = len(codes)
                 out = compiled(*args, **kwargs)
+                self.region.copy_graphs += len(codes) - n
                 if any(c != codes[graph] for c in codes[n:]):
                     self.untrusted.add(graph)
                 self.copies[graph] = compiled
