@@ -43,7 +43,19 @@ SMOKE_TESTS = (
 )
 
 
+# Test files that take longest (minutes: real-checkpoint GRPO runs, subprocess launches, every family's parity),
+# run first: `--dist loadfile` hands a worker the next file when it is free, so a long file started last would keep
+# one worker busy while the other has nothing left. The rest keep their collection order.
+LONGEST_FIRST = (
+    "test_real_rl.py", "test_bench_cli.py", "test_areal_distributed.py", "test_real_checkpoint.py",
+    "test_vlm_families.py", "test_families.py", "test_areal_train_engine.py", "test_trl.py",
+    "test_lora_adapters.py", "test_engine_weight_updates.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].split("/")[-1], len(rank)))
     found = set()
     for item in items:
         node = item.nodeid.split("/")[-1]

@@ -329,7 +329,10 @@ class CompiledStep(DecodeStep):
         """A step that traced graphs after start (the model changed): counted as recompiles, run again eager
         through the cache-use guard (same K/V, same places; a layer off the engine's cache: CacheBypassError by
         name), then once more compiled, so its K/V and logits are the compiled graph's as every step's are."""
-        self.recompiles += traced
+        if self.trust.moved:  # compiled in the region of its own it just moved to (decode/trust.py): warm-up
+            self.warm_compiled += traced
+        else:
+            self.recompiles += traced
         self.trust.distrust()  # the next step guarded again (it marks what a trace keeps dynamic)
         self.checked(args)
         return self.call(args)

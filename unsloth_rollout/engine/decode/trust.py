@@ -163,6 +163,7 @@ class LayerTrust:
         self.units = units  # lists of consecutive decoder layers
         self._use(region)
         self.detached = False  # whether it left a shared region for one of its own (vouch)
+        self.moved = False  # True from the move until its graphs and trusted copies are compiled in its own region
         self.graphs = None  # per layer: the graph the last guarded step ran it with (None: not trusted)
         self.state = None  # what the last guarded step ran under
         self.dicts, self.forwards, self.hooked, self.hooks = [], [], [], None  # what _unchanged compares
@@ -181,6 +182,7 @@ class LayerTrust:
             self.since += 1
             self.trusted_steps += 1
             fresh = any(g not in self.copies for g in self.graphs)
+            self.moved = self.moved and fresh
             return [self._copy(g) for g in self.graphs], None, fresh
         self.guarded_steps += 1
         return [self.guarded] * len(self.units), [None] * len(self.units), True
@@ -208,7 +210,8 @@ class LayerTrust:
 
         In a region other engines share, a step whose units cannot be trusted (a graph another engine's history
         made, whose trusted copy traced differently; a region past dynamo's recompile limit, run eager) moves this
-        engine to a region of its own, once: its next guarded step compiles there, as an engine alone would."""
+        engine to a region of its own, once: its next steps compile there what an engine alone would have compiled
+        at start (``moved``: counted as warm-up, not as recompiles)."""
         self.since = 0
         graphs = [g[0] for g in ran] if self.enabled and all(len(g) == 1 for g in ran) else None
         if graphs is not None and self.untrusted.isdisjoint(graphs):
@@ -220,7 +223,7 @@ class LayerTrust:
             return
         self.graphs, self.state = None, None
         if self.enabled and self.region.users > 1 and not self.detached:
-            self.detached = True
+            self.detached = self.moved = True
             self._use(Region(self.fn, self.region.mode))
             self.region.users = 1
 
