@@ -128,7 +128,9 @@ class CompiledStep(DecodeStep):
 
     def _signature(self) -> tuple:
         """What engines whose layers may share compiled graphs have in common (decode/trust.py's ``region_for``):
-        the model's class and config, its parameters' dtypes, the device, its adapters, the attention path."""
+        the model's class and config, its parameters' dtypes, the device, its adapters, the attention path, and the
+        shapes its steps take (key alignment, batch padding: graphs traced under other shapes guard on other
+        relations)."""
         c = self.context
         m = c.policy.model
         try:
@@ -138,7 +140,8 @@ class CompiledStep(DecodeStep):
         peft = getattr(m, "peft_config", None) or {}
         return (type(m), tuple(type(layer) for layer in self.layers), config,
                 tuple(sorted({str(p.dtype) for p in m.parameters()})), str(self.device),
-                tuple(sorted((k, repr(v)) for k, v in peft.items())), c.inner, c.kernel)
+                tuple(sorted((k, repr(v)) for k, v in peft.items())), c.inner, c.kernel, self.key_align,
+                self.pad_buckets)
 
     def _step_layers(self, input_ids, position_ids, lengths, write_slots, k_pos, pool_k, pool_v, ws_k, ws_v,
                      shared=None):
