@@ -26,11 +26,13 @@ layer changes without ``weights_changed``.
 
 The region itself (the guarded function, its backend, the trusted copies) is a ``Region`` shared by every engine
 whose layers have one signature (``region_for``: model class, config, dtypes, device, adapters, compile mode, unit
-size, attention path): a second engine on the same model, or on another model of one architecture, starts on graphs
-already compiled. Sharing changes nothing dynamo checks: a guarded step of any engine runs a graph only where its
-guards pass for that engine's layers, and each engine vouches for its own layers. A region that has compiled
-``SHARED_GRAPHS`` graphs is not handed to new engines (dynamo stops compiling a code object past its recompile
-limit); which graph a call ran is recorded per thread (engines step in threads of their own).
+size, attention path, key alignment and batch padding): a second engine on the same model, or on another model of
+one architecture, starts on graphs already compiled. Sharing changes nothing dynamo checks: a guarded step of any
+engine runs a graph only where its guards pass for that engine's layers, and each engine vouches for its own layers.
+A region that has compiled ``SHARED_GRAPHS`` graphs (dynamo stops compiling a code object past its recompile limit),
+or holds a graph whose trusted copy traced differently, is not handed to new engines; an engine that cannot trust
+its steps in a shared region moves to one of its own (``LayerTrust.vouch``). Which graph a call ran is recorded per
+thread (engines step in threads of their own).
 """
 
 from __future__ import annotations
