@@ -47,7 +47,7 @@ SMOKE_TESTS = (
 # run first: `--dist loadfile` hands a worker the next file when it is free, so a long file started last would keep
 # one worker busy while the other has nothing left. The rest keep their collection order.
 LONGEST_FIRST = (
-    "test_real_rl.py", "test_bench_cli.py", "test_areal_distributed.py", "test_real_checkpoint.py",
+    "test_compiled.py", "test_real_rl.py", "test_bench_cli.py", "test_areal_distributed.py", "test_real_checkpoint.py",
     "test_vlm_families.py", "test_families.py", "test_areal_train_engine.py", "test_trl.py",
     "test_lora_adapters.py", "test_engine_weight_updates.py",
 )
@@ -111,3 +111,21 @@ def _torch_threads_restored():
     if torch.get_num_threads() != _THREADS:
         torch.set_num_threads(_THREADS)
     yield
+
+
+# Seconds per test file (setup, call and teardown of its tests), summed in the process that reports (the xdist
+# controller): the summary lists the longest files, which is what orders LONGEST_FIRST above.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    name = report.nodeid.split("::")[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_FILE_SECONDS) < 2:
+        return
+    terminalreporter.section("longest test files")
+    for name, secs in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{secs:8.1f}s {name}")
