@@ -47,8 +47,8 @@ from .. import internals
 
 TRUST_STEPS = 256  # trusted steps between two guarded ones, even when nothing says the model changed
 SHARED_GRAPHS = 7  # guarded graphs at which new engines get a region of their own: one engine on a real model
-# compiles up to 6 (layers with and without LoRA, a shorter last unit, with and without shared prompts), and dynamo stops
-# compiling a code object past 8
+# compiles up to 6 (layers with and without LoRA, a shorter last unit, with and without shared prompts), and dynamo
+# stops compiling a code object past 8
 LEAN_GUARDS = frozenset({"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE",
                          "DETERMINISTIC_ALGORITHMS", "DUPLICATE_INPUT"})
 _copies = itertools.count()
