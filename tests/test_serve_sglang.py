@@ -458,8 +458,10 @@ def test_generate_text_batch_n_stop_and_stream(server, engine, policy):
                                                                  "stop_token_ids": [first[2]]})
     assert stopped["output_ids"] == first[:3]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[2]}
-    # SGLang caps max_new_tokens at the room the context leaves: the answer ends with "length" there
-    capped = _generate(server, input_ids=[1] * (MAX_MODEL_LEN - 3), sampling_params={"max_new_tokens": 100})
+    # SGLang caps max_new_tokens at the room the context leaves: the answer ends with "length" there (a sampled
+    # EOS would end it first, so EOS is ignored)
+    capped = _generate(server, input_ids=[1] * (MAX_MODEL_LEN - 3), sampling_params={"max_new_tokens": 100,
+                                                                                      "ignore_eos": True})
     assert capped["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
     body = {"input_ids": [2, 4, 6], "return_logprob": True, "stream": True,
