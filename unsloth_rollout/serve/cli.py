@@ -51,6 +51,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lora", "--lora-modules", dest="lora", nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="PEFT adapters to load at start; requests select them by NAME")
     g.add_argument("--enable-lora", action="store_true", help="accepted for vLLM command lines: adapters are always on")
+    g.add_argument("--bitwise", action="store_true",
+                   help="the bitwise on-policy mode (docs/bitwise.md): every logprob equals a trainer's recompute "
+                        "under bitwise.mode bit for bit; float32 on CPU, eager decode")
     g = p.add_argument_group("engine")
     options = {name: {"help": text} for name, text in ENGINE_FLAGS.items()}
     options["kv_cache_memory_bytes"]["type"] = parse_bytes
@@ -120,6 +123,14 @@ def build_app(args: argparse.Namespace):
         check_weight_transfer_device(transfer, policy)
     except ValueError as e:
         raise SystemExit(f"--weight-transfer-config: {e}") from None
+    if args.bitwise:
+        from .. import bitwise
+        from ..errors import BitwiseModeError
+
+        try:
+            bitwise.enable(policy)
+        except BitwiseModeError as e:
+            raise SystemExit(f"--bitwise: {e}") from None
     engine = RolloutEngine(policy, engine_config(args), seed=args.seed)
     for name, path in loras:
         engine.load_lora_adapter(name, path)

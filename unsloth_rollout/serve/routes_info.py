@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-from .. import __version__
+from .. import __version__, bitwise
 from .metrics import metrics_text
 from .state import ServerState
 
@@ -49,13 +49,14 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
 
         Takes: query ``config_format`` (``json``, as TRL sends).
         Returns: ``{"vllm_config": {"model_config", "cache_config", "parallel_config", "scheduler_config",
-        "lora_config", "weight_transfer_config", "device_config"}, "backend", "version"}``.
+        "lora_config", "weight_transfer_config", "device_config"}, "backend", "bitwise", "version"}``: ``bitwise``
+        is true when the engine runs the bitwise on-policy mode (``--bitwise``).
         Called by: TRL's ``VLLMClient.get_server_info`` (``lora_config``, ``parallel_config.data_parallel_size``,
         ``model_config.logprobs_mode``, ``weight_transfer_config``: what ``--weight-transfer-config`` set, else
         null, and TRL's ``init_communicator`` then stops by name).
         """
         return {"vllm_config": server_config(state), "backend": getattr(engine.policy, "backend", None),
-                "version": __version__}
+                "bitwise": bitwise.enabled(engine.policy), "version": __version__}
 
 
 def server_config(state: ServerState) -> dict:
