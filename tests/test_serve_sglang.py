@@ -520,5 +520,13 @@ def test_info_health_cache_memory_and_refused_routes(server):
     assert httpx.post(server + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert httpx.post(server + "/release_memory_occupation", json={"tags": ["disk"]}).status_code == 400
     assert len(_generate(server, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+    # SGLang's server description, in its server-argument names, agrees with vLLM's /server_info of the same engine
+    sinfo, vllm = httpx.get(server + "/get_server_info").json(), httpx.get(server + "/server_info").json()
+    cache = vllm["vllm_config"]["cache_config"]
+    assert sinfo["context_length"] == MAX_MODEL_LEN and sinfo["served_model_name"] == NAME
+    assert sinfo["max_total_num_tokens"] == cache["num_gpu_blocks"] * cache["block_size"] > 0
+    assert sinfo["page_size"] == cache["block_size"] and sinfo["tp_size"] == sinfo["dp_size"] == 1
+    assert sinfo["status"] == "ready" and sinfo["version"] == vllm["version"] and sinfo["enable_multimodal"]
+    assert sinfo["internal_states"][0]["last_gen_throughput"] > 0  # tokens were decoded above
     r = httpx.post(server + "/update_weights_from_distributed", json={"names": []})
     assert r.status_code == 501 and "/update_weights_from_disk" in r.json()["message"]

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from .. import __version__
 from ..engine import GenerationOutput, GenerationRequest, InvalidRequestError, SamplingParams
 from ..models.adapters import AdapterNotFoundError
 from .protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, error_body
@@ -117,6 +118,29 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
                 "weight_version": str(engine.version), "has_image_understanding": bool(engine.policy.is_vlm),
                 "has_audio_understanding": False, "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """SGLang's server description: its server-argument names for what this engine is, ``status``, and
+        ``internal_states`` (one entry: ``last_gen_throughput``, decode tokens per busy second since start, and the
+        running / waiting counts).
+        Called by: SGLang clients and benchmarks (``bench_one_batch_server`` reads
+        ``internal_states[0]["last_gen_throughput"]``), routers that detect an SGLang server by it."""
+        cfg, s, policy = engine.config, engine.stats(), engine.policy
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path,
+                "served_model_name": state.model_name, "context_length": engine.max_model_len,
+                "dtype": str(policy.dtype).removeprefix("torch."), "device": policy.device.type,
+                "tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": s["kv_block_size"],
+                "max_running_requests": cfg.max_num_seqs, "max_prefill_tokens": cfg.prefill.max_tokens,
+                "max_total_num_tokens": s["kv_blocks_total"] * s["kv_block_size"],
+                "max_req_input_len": engine.max_model_len - 1, "disable_radix_cache": not cfg.prefix_cache,
+                "enable_lora": True, "max_lora_rank": cfg.lora.max_lora_rank,
+                "max_loaded_loras": cfg.lora.max_loras, "is_embedding": False,
+                "enable_multimodal": bool(policy.is_vlm), "weight_version": str(engine.version),
+                "status": "ready",
+                "internal_states": [{"last_gen_throughput": s["decode_tokens"] / s["busy_s"] if s["busy_s"] else 0.0,
+                                     "num_running_reqs": s["num_running"], "num_waiting_reqs": s["num_waiting"]}],
+                "version": __version__}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
