@@ -365,3 +365,21 @@ def test_chat_echo_continues_the_final_assistant_message(server):
                      )["choices"][0]["message"]["content"]
     with_echo, without = content(True), content(False)
     assert with_echo == "Well, " + without
+
+
+def test_streamed_chat_echo_sends_the_final_assistant_message_first(client):
+    """vLLM's streamed chat echo: after each choice's role chunk comes a chunk with the continued assistant message,
+    and each choice's chunks add up to the non-streamed echoed content (n = 2, temperature 0)."""
+    kw = dict(model=NAME, max_tokens=4, temperature=0, n=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}],
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    whole = client.chat.completions.create(**kw)
+    texts, seen = {}, {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                seen.setdefault(ch.index, ch.delta.content)
+                texts[ch.index] = texts.get(ch.index, "") + ch.delta.content
+    assert seen == {0: "Well, ", 1: "Well, "}
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}
+    assert whole.choices[0].message.content.startswith("Well, ")

@@ -58,10 +58,9 @@ def _sampling(state: ServerState, req, max_tokens: int, logprobs: int | None, lp
     if req.prompt_logprobs is not None and 0 <= limits.max_logprobs < req.prompt_logprobs:  # -1: no cap
         raise APIError(f"prompt_logprobs must be at most {limits.max_logprobs} (the server's --max-logprobs), "
                        f"got {req.prompt_logprobs}", param="prompt_logprobs")
-    # vLLM: no prompt_logprobs in a stream; a streamed completion echoes its prompt first (chat's echo: not here).
-    if req.stream and (req.prompt_logprobs is not None or req.echo and not isinstance(req, CompletionRequest)):
-        name = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
-        raise APIError(f"{name} is not available when stream is true on this server", param=name)
+    # vLLM: no prompt_logprobs in a stream; a streamed answer sends what it echoes first.
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     requested = from_response_format(req.response_format, getattr(req, "structured_outputs", None))
     if requested is not None and structured is not None:
         raise APIError("response_format / structured_outputs cannot be combined with tool_choice 'required' or a "

@@ -49,6 +49,10 @@ async def _chat_events(state, req: ChatCompletionRequest, prep: Prepared, stream
              for i in range(n)]
     extra = {"prompt_token_ids": prep.prompt_ids[0]} if req.return_token_ids else {}
     yield chunk(first, _usage(prompt_len, 0) if continuous else None, **extra)
+    if prep.echo_texts and prep.echo_texts[0]:  # vLLM's chat echo: the final assistant message, then the answer
+        for i in range(n):
+            yield chunk([{"index": i, "delta": {"content": prep.echo_texts[0]}, "logprobs": None,
+                          "finish_reason": None}], _usage(prompt_len, 0) if continuous else None)
     try:
         async for _, d in stream:
             i = d.sample_index
