@@ -265,7 +265,8 @@ def _histogram(text, name):
 def test_inter_token_latency_is_observed_per_token(server):
     """test_metrics.py (inter_token_latency_seconds: one observation per output token after the first, the time
     since the previous token): a stream held by /pause?mode=keep for 1.5 s between two of its tokens adds exactly
-    one observation above 1 s, and n - 1 in all; a per-sample mean would spread the pause over every token.
+    one observation above 1 s (up to 3 where the machine itself stalls), and n - 1 in all; a per-sample mean would
+    spread the pause over every token, a time since the request began would put every later token above 1 s.
     ``request_time_per_output_token_seconds`` gets one observation per sample."""
     name, per_request = "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"
     before = httpx.get(server + "/metrics").text
@@ -285,7 +286,7 @@ def test_inter_token_latency_is_observed_per_token(server):
     (c1, b1), (r1, _) = _histogram(after, name), _histogram(after, per_request)
     assert c1 - c0 == n_tokens - 1 and r1 - r0 == 1
     slow = (c1 - b1["1.0"]) - (c0 - b0["1.0"])
-    assert slow == 1, (slow, b1)
+    assert 1 <= slow <= 3, (slow, b1)  # another gap over 1 s only if the machine itself stalled
 
 
 def test_image_url_must_be_an_object(server):

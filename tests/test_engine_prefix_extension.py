@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import hf_greedy_ignoring_eos, teacher_forced_logprobs
 from unsloth_rollout.engine.config import PrefillConfig
 from unsloth_rollout.testing.toy import random_images
 from unsloth_rollout import EngineConfig, GenerationRequest, RolloutEngine, SamplingParams, load_model
@@ -96,9 +96,8 @@ def test_next_turn_prefills_only_its_new_tokens(family):
     assert out2.output_ids == logits.argmax(-1).tolist(), "greedy tokens must be the teacher-forced argmax"
     assert (lp - torch.tensor(out2.output_logprobs)).abs().max() <= 1e-5
     if not policy.is_vlm:
-        ref = policy.model.generate(torch.tensor([ids2]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                    do_sample=False)[0, len(ids2):]
-        assert out2.output_ids == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, ids2, MAX_NEW)
+        assert out2.output_ids == ref
 
 
 def test_new_tokens_with_an_image_are_prefilled_whole(qwen2_5_vl_dir):
@@ -139,9 +138,8 @@ def test_a_chat_conversation_next_turn_extends_the_cached_turn(qwen2_dir):
         engine.shutdown()
     assert out2.prompt_ids[: len(out1.prompt_ids)] == out1.prompt_ids
     assert after["prefix_cache_extensions"] - before["prefix_cache_extensions"] == 1
-    ref = policy.model.generate(torch.tensor([out2.prompt_ids]), max_new_tokens=8, min_new_tokens=8,
-                                do_sample=False)[0, len(out2.prompt_ids):]
-    assert out2.output_ids == ref.tolist()
+    ref = hf_greedy_ignoring_eos(policy.model, out2.prompt_ids, 8)
+    assert out2.output_ids == ref
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen2_5_vl", "gemma3"])
@@ -173,9 +171,8 @@ def test_a_long_prompt_is_prefilled_in_chunks(family, continue_calls):
     assert out.output_ids == logits.argmax(-1).tolist()
     assert (lp - torch.tensor(out.output_logprobs)).abs().max() <= 1e-5
     if not policy.is_vlm:
-        ref = policy.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                    do_sample=False)[0, len(ids):]
-        assert out.output_ids == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, ids, MAX_NEW)
+        assert out.output_ids == ref
 
 
 def test_a_long_next_turn_is_prefilled_in_chunks_too(continue_calls):
@@ -199,6 +196,5 @@ def test_a_long_next_turn_is_prefilled_in_chunks_too(continue_calls):
     start = len(p1.prompt_ids) // 16 * 16
     assert len(ids2) - start > 64 and len(calls) >= 2 and calls[0][1] == start and calls[-1][0] == len(ids2)
     assert all(end - begin <= 64 for end, begin in calls)
-    ref = policy.model.generate(torch.tensor([ids2]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                do_sample=False)[0, len(ids2):]
-    assert out2.output_ids == ref.tolist()
+    ref = hf_greedy_ignoring_eos(policy.model, ids2, MAX_NEW)
+    assert out2.output_ids == ref

@@ -178,7 +178,7 @@ def test_wait_for_steps_submitted_requests_on_the_waiting_thread(engine, qwen2_l
     futs = [engine.submit(r) for r in reqs(qwen2_lora_policy, tag="f")]
     assert eventually(lambda: not engine_threads())
     steps = StepThreads(engine.core)
-    threading.Timer(0.2, engine.resume, kwargs={"holder": "trainer"}).start()
+    threading.Timer(1.0, engine.resume, kwargs={"holder": "trainer"}).start()  # once wait_for waits
     engine.wait_for(futs, timeout=120)
     assert [len(f.result()[0].output_ids) for f in futs] == [6] * 4
     assert steps.idents and set(steps.idents) == {threading.get_ident()}

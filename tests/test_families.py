@@ -34,7 +34,7 @@ def prompts(n: int) -> list[str]:
 
 
 def load_family(family: str):
-    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8},
+    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8, "random_state": 0},
                         attn_implementation=ATTN.get(family, "sdpa"))
     assert perturb_lora(policy.model, std=0.3) > 0
     return policy

@@ -2,8 +2,9 @@
 tests/test_areal_grpo_learning.py) on the tiny VLM, with the process's RSS and CPU time taken at every step.
 No memory growth: the median RSS over the last quarter within RSS_MARGIN of the median over the first
 quarter after warm-up (medians: RSS swings ~50 MiB step to step as the trainer's buffers come and go).
-No slowdown: the median CPU time per step over the last quarter at most 1.5x the first quarter after
-warm-up (CPU time, not wall time: the machine is shared; wall times are recorded too). Every step trains
+No slowdown: the fastest step's CPU time over the last quarter at most 1.5x the fastest over the first quarter
+after warm-up (CPU time, not wall time, and the fastest step: a shared machine's neighbours only add time, while a
+per-step cost that grows raises every step; medians and wall times are recorded too). Every step trains
 on samples of the step before (version).
 
 Figures go to <figures>/reliability/ (.figures/, or benchmarks/ via scripts/record_figures.sh): grpo_<variant>.json. CI: 20 steps; ``-m slow``: 200 steps.
@@ -59,7 +60,7 @@ def test_grpo_long_run_no_growth_no_slowdown(tmp_path, monkeypatch, steps, reque
     warmup = max(2, steps // 10)
     q = max(5, (steps - warmup) // 4)  # at least 5 steps per quarter: medians over a swinging RSS
     first, last = cpu[warmup:warmup + q], cpu[-q:]
-    ratio = statistics.median(last) / statistics.median(first)
+    ratio = min(last) / min(first)
     baseline, final = statistics.median(rss[warmup:warmup + q]), statistics.median(rss[-q:])
     margin = max(RSS_MARGIN_ABS, RSS_MARGIN_REL * baseline)
     rewards = [h["ppo_actor/task_reward/avg"] for h in history]
@@ -71,6 +72,8 @@ def test_grpo_long_run_no_growth_no_slowdown(tmp_path, monkeypatch, steps, reque
         "steps": steps, "warmup_steps": warmup, "quarter_steps": q,
         "cpu_s_per_step_median_first_quarter": round(statistics.median(first), 4),
         "cpu_s_per_step_median_last_quarter": round(statistics.median(last), 4),
+        "cpu_s_per_step_min_first_quarter": round(min(first), 4),
+        "cpu_s_per_step_min_last_quarter": round(min(last), 4),
         "cpu_slowdown_ratio": round(ratio, 3), "slowdown_limit": SLOWDOWN,
         "wall_s_per_step_median_first_quarter": round(statistics.median(wall[warmup:warmup + q]), 4),
         "wall_s_per_step_median_last_quarter": round(statistics.median(wall[-q:]), 4),

@@ -16,7 +16,7 @@ from unsloth_rollout.engine.core import EngineCore
 from unsloth_rollout.engine.inputs import PreparedPrompt
 from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.testing.drive import add_sequences, engine_core, step_until_idle
-from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import hf_greedy_ignoring_eos, teacher_forced_logprobs
 
 
 def _core(policy, backend: str) -> EngineCore:
@@ -75,9 +75,8 @@ def test_distinct_prompts_admitted_together_share_one_prefill_forward(qwen2_dir)
     step_until_idle(core, max_steps=2000)
     assert core.stats["prefills"] == 5 and core.stats["prefill_forwards"] == 1
     for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=6, do_sample=False,
-                                    min_new_tokens=6)[0, len(s.prompt_ids):]
-        assert s.output_ids == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, 6)
+        assert s.output_ids == ref
 
 
 def test_batched_penalties_and_bans_equal_a_per_row_reference():
@@ -142,9 +141,7 @@ def test_sequences_recomputed_after_a_weight_change_share_one_forward(qwen2_dir)
         core.step()
     for s, done in zip(seqs, before):
         assert s.output_ids[: len(done)] == done
-        ids = torch.tensor([s.prompt_ids + done])
-        ref = policy.model.generate(ids, max_new_tokens=14 - len(done), min_new_tokens=14 - len(done),
-                                    do_sample=False)[0, ids.shape[1]:]
-        assert s.output_ids[len(done):] == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids + done, 14 - len(done))
+        assert s.output_ids[len(done):] == ref
         lp, _ = teacher_forced_logprobs(policy, s.prompt_ids + done, s.output_ids[len(done):])
         assert (lp - torch.tensor(s.output_logprobs[len(done):])).abs().max() <= 1e-5

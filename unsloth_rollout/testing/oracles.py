@@ -15,7 +15,7 @@ import torch
 
 from ..engine.inputs import mm_token_type_ids
 
-__all__ = ["PARITY_FLOOR", "hf_generate_logprobs", "hf_logprobs", "mm_token_type_ids", "parity_bound", "perturb_lora",
+__all__ = ["PARITY_FLOOR", "hf_generate_logprobs", "hf_greedy_ignoring_eos", "hf_logprobs", "mm_token_type_ids", "parity_bound", "perturb_lora",
            "processed_distribution", "teacher_forced", "teacher_forced_logprobs"]
 
 # The one bar for the engine's logprobs against a teacher-forced fp32 forward: ``PARITY_FLOOR``, or 1.5x HF
@@ -134,6 +134,16 @@ def hf_logprobs(model, ids: list[int], n_out: int) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits[len(ids) - n_out - 1:-1], dim=-1)
+
+
+def hf_greedy_ignoring_eos(model, prompt_ids: list[int], n: int) -> list[int]:
+    """HF ``generate()``'s ``n`` greedy tokens after ``prompt_ids`` with EOS neither ending the answer nor forbidden:
+    what a greedy request with ``ignore_eos`` gives. (``min_new_tokens=n`` would forbid EOS instead, so where the
+    argmax is EOS it would answer the second-best token.)"""
+    ids = torch.tensor([list(prompt_ids)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
 
 
 def assert_greedy_matches(policy, prompt_ids, got: list[int], ref: list[int], tie: float = 1e-5, label="") -> None:

@@ -290,7 +290,7 @@ def _load(family):
 
     # Gemma 2: attention soft-capping (1.0) and an 8-token sliding window, in its eager attention
     path, attn = ((tiny_model_path("qwen2"), "sdpa") if family == "qwen2" else (family_model_path(family), "eager"))
-    policy = load_model(str(path), backend="transformers", dtype=torch.float32, lora={"r": 8},
+    policy = load_model(str(path), backend="transformers", dtype=torch.float32, lora={"r": 8, "random_state": 0},
                         attn_implementation=attn)
     assert perturb_lora(policy.model, std=0.3) > 0
     return policy

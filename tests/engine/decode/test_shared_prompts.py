@@ -22,7 +22,8 @@ from unsloth_rollout.engine.sequence import Sequence
 from unsloth_rollout.engine.kv_cache import KVCache
 from unsloth_rollout.testing.drive import add_sequences, engine_core, step_until_idle
 from unsloth_rollout.testing.families import FAMILIES, family_model_path
-from unsloth_rollout.testing.oracles import assert_greedy_matches, perturb_lora, teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import (assert_greedy_matches, hf_greedy_ignoring_eos, perturb_lora,
+                                             teacher_forced_logprobs)
 
 
 def _core(policy, shared: bool, kv_tokens: int | None = None) -> EngineCore:
@@ -64,9 +65,8 @@ def test_groups_read_their_prompt_once_and_decode_exactly(qwen2_dir):
     assert seen["entries"] == 3 and seen["steps"] >= 9, seen
     assert core.runner.decode_steps.workspace.shared_steps == seen["steps"]
     for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
-                                    do_sample=False, min_new_tokens=len(s.output_ids))[0, len(s.prompt_ids):]
-        assert s.output_ids == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, len(s.output_ids))
+        assert s.output_ids == ref
     # Sampled: the same tokens as the plain decode of the same seeded requests; logprobs = teacher-forced.
     outs = {}
     for shared in (True, False):
@@ -303,7 +303,7 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prompts(famil
     """A GRPO group of 4 samples of a ~60-token prompt beside a lone prompt: tokens equal HF greedy; sampled
     logprobs equal a teacher-forced forward. Families with windows or soft-capping are refused the split by the
     engine's probe (what their layers ask of the attention), not by a list."""
-    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8},
+    policy = load_model(str(family_model_path(family)), backend="transformers", lora={"r": 8, "random_state": 0},
                         attn_implementation="eager" if family == "gemma2" else "sdpa")
     perturb_lora(policy.model, std=0.3)
     tok = policy.tokenizer
@@ -321,9 +321,8 @@ def test_every_family_serves_groups_exactly_with_or_without_shared_prompts(famil
     step_until_idle(core, max_steps=500)
     assert (ws.shared_steps > 0) == ws.shared_prompts
     for s in greedy:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=10, min_new_tokens=10,
-                                    do_sample=False)[0, len(s.prompt_ids):]
-        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label=family)
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, 10)
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref, label=family)
     for s in sampled:
         tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, family
@@ -345,9 +344,8 @@ def test_the_compiled_step_reads_short_shared_prompts_once_too(qwen2_dir):
     step_until_idle(core, max_steps=500)
     assert ws.shared_steps > 0 and st.eager_steps == 0 and st.recompiles == 0
     for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
-                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
-        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="qwen2")
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, len(s.output_ids))
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref, label="qwen2")
     no_kernel = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=8 << 20, decode=DecodeConfig(cpu_kernel=False)),
                            seed=0)
     steps = no_kernel.runner.decode_steps
@@ -366,7 +364,7 @@ def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend
     greedy's; sampled logprobs equal a teacher-forced forward (a LoRA model). The eager workspace runs the same
     op, for the same results."""
     forget_regions()  # this engine's own compiles are counted below (engines of one model share graphs otherwise)
-    policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8})
+    policy = load_model(qwen2_dir, backend="transformers", lora={"r": 8, "random_state": 0})
     perturb_lora(policy.model, std=0.3)
     core = EngineCore(policy, EngineConfig(kv_cache_memory_bytes=64 << 20, block_size=16,
                                            decode=DecodeConfig(backend=backend, shared_prompt_min_tokens=32)), seed=0)
@@ -385,9 +383,8 @@ def test_shared_prompt_steps_run_compiled_without_recompiling(qwen2_dir, backend
     if backend == "compiled":
         assert st.eager_steps == 0 and st.recompiles == 0 and st.steps >= ws.shared_steps
     for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
-                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
-        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label=backend)
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, len(s.output_ids))
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref, label=backend)
     for s in sampled:
         tf, _ = teacher_forced_logprobs(policy, s.prompt_ids, s.output_ids, temperature=1.0)
         assert (torch.tensor(s.output_logprobs) - tf).abs().max() <= 1e-5, backend
@@ -416,6 +413,5 @@ def test_a_shared_prompt_graph_that_fails_to_compile_leaves_those_steps_eager(qw
     assert not st.reads_shared() and not st.shared_ready() and seen["steps"] > 0 and ws.shared_steps > 0
     assert st.eager_steps >= seen["steps"] - 2 and st.recompiles == 0
     for s in seqs:
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
-                                    min_new_tokens=len(s.output_ids), do_sample=False)[0, len(s.prompt_ids):]
-        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref.tolist(), label="eager shared steps")
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, len(s.output_ids))
+        assert_greedy_matches(policy, s.prompt_ids, s.output_ids, ref, label="eager shared steps")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unsloth_rollout.testing.oracles import teacher_forced_logprobs
+from unsloth_rollout.testing.oracles import hf_greedy_ignoring_eos, teacher_forced_logprobs
 from unsloth_rollout.engine.config import DecodeConfig
 from unsloth_rollout import EngineConfig, SamplingParams, load_model
 from unsloth_rollout.engine.core import EngineCore
@@ -114,9 +114,8 @@ def test_workspace_decode_equals_hf_and_teacher_forced_under_preemption(qwen2_di
     assert core.runner.decode_steps.workspace.fills > len(seqs), "a recomputed sequence must join (be refilled) again"
     for s in seqs:
         assert s.finish_reason == "length", s.error
-        ref = policy.model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.output_ids),
-                                    do_sample=False, min_new_tokens=len(s.output_ids))[0, len(s.prompt_ids):]
-        assert s.output_ids == ref.tolist()
+        ref = hf_greedy_ignoring_eos(policy.model, s.prompt_ids, len(s.output_ids))
+        assert s.output_ids == ref
     # Sampled (seeded) through both backends: same tokens, logprobs equal a teacher-forced forward.
     outs = {}
     for backend in ("workspace", "gather"):
