@@ -15,8 +15,8 @@ import torch
 
 from ..engine.inputs import mm_token_type_ids
 
-__all__ = ["PARITY_FLOOR", "hf_generate_logprobs", "hf_greedy_ignoring_eos", "hf_logprobs", "mm_token_type_ids", "parity_bound", "perturb_lora",
-           "processed_distribution", "teacher_forced", "teacher_forced_logprobs"]
+__all__ = ["PARITY_FLOOR", "hf_generate_logprobs", "hf_greedy_ignoring_eos", "hf_logprobs", "mm_token_type_ids",
+           "parity_bound", "perturb_lora", "processed_distribution", "teacher_forced", "teacher_forced_logprobs"]
 
 # The one bar for the engine's logprobs against a teacher-forced fp32 forward: ``PARITY_FLOOR``, or 1.5x HF
 # ``generate()``'s own distance from that forward on the same prompts when that is larger (``parity_bound``). HF's
