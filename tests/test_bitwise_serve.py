@@ -25,6 +25,7 @@ from unsloth_rollout import bitwise, load_model  # noqa: E402
 from unsloth_rollout.kernels import batch_invariant  # noqa: E402
 from unsloth_rollout.serve.cli import add_serve_arguments, build_app  # noqa: E402
 from unsloth_rollout.testing.bitwise import trainer_logprobs, unequal  # noqa: E402
+from unsloth_rollout.testing.fixtures import perturbed_checkpoint  # noqa: E402
 from unsloth_rollout.testing.tiny import tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not batch_invariant.available(), reason="no C++ compiler for the mode's kernels")
@@ -38,18 +39,10 @@ def _args(*extra: str) -> argparse.Namespace:
 
 def _next_checkpoint(out) -> str:
     """The tiny model with seeded noise on one decoder layer, saved with its tokenizer: a trainer's next step."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    src = str(tiny_model_path("qwen2"))
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layers.1." in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return str(out)
+    return str(perturbed_checkpoint(str(tiny_model_path("qwen2")), out, AutoModelForCausalLM, "layers.1.",
+                                    with_tokenizer=True))
 
 
 def _generate(client, prompts):

@@ -75,17 +75,30 @@ def engine_fixture(max_model_len: int, kv_cache_memory_bytes: int = 64 << 20, po
     return engine
 
 
-def perturbed_vlm_checkpoint(model_dir, out, layer: str = "language_model.layers.1.", std: float = 0.2, seed: int = 1):
-    """Save a copy of the VLM at ``model_dir`` to ``out`` with seeded noise on one decoder layer's weights: a "next
-    step" checkpoint whose answers differ from the original's. Returns ``out``."""
+def perturbed_checkpoint(model_dir, out, model_class, layer: str, std: float = 0.2, seed: int = 1,
+                         with_tokenizer: bool = False):
+    """Save a copy of the model at ``model_dir`` (loaded with the transformers auto class ``model_class``) to ``out``
+    with seeded noise on the weights whose names contain ``layer``: a "next step" checkpoint whose answers differ
+    from the original's, with the tokenizer beside it when ``with_tokenizer`` (for a trainer that loads it whole).
+    Returns ``out``."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if layer in name:
                 p.add_(torch.randn(p.shape, generator=gen) * std)
     model.save_pretrained(out)
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
     return out
+
+
+def perturbed_vlm_checkpoint(model_dir, out, layer: str = "language_model.layers.1.", std: float = 0.2, seed: int = 1):
+    """``perturbed_checkpoint`` of a VLM, noise on one decoder layer."""
+    from transformers import AutoModelForImageTextToText
+
+    return perturbed_checkpoint(model_dir, out, AutoModelForImageTextToText, layer, std, seed)
